@@ -1,0 +1,26 @@
+"""dpcore: differentially private aggregation for iterative training, with a Rust core.
+
+The design follows McMahan et al. 2018, "A General Approach to Adding Differential Privacy to
+Iterative Training Procedures", and keeps its three concerns apart:
+
+* (a) training code asks for sums or averages of per-record vectors;
+* (b) the privacy mechanism clips each record and adds Gaussian noise (:mod:`dpcore.mechanism`);
+* (c) an accountant turns what happened into (ε, δ).
+
+Noise and sampling come from ChaCha20 keyed from the operating system on every call. The ``seed``
+arguments exist for tests and reproductions only and void the privacy guarantee.
+"""
+
+from ._core import __version__
+from .mechanism import clip_noise, clip_sum, gaussian_noise, record_norms
+from .sampling import fixed_size_sample, poisson_sample
+
+__all__ = [
+    "__version__",
+    "clip_noise",
+    "clip_sum",
+    "record_norms",
+    "gaussian_noise",
+    "poisson_sample",
+    "fixed_size_sample",
+]

@@ -1,0 +1,175 @@
+"""The Gaussian sum mechanism on numpy arrays: concern (b) of McMahan et al. 2018.
+
+Every function here takes the per-record arrays of one batch: a single array of shape (B, ...)
+or a list/tuple of such arrays (one per parameter tensor of a model). Record i is row i of all of
+them taken together, and its norm is the joint L2 norm over all arrays ("flat clipping", §2 of the
+paper). Arrays are read in place by the Rust core, without copies, when they are C-contiguous,
+aligned and native-endian; other layouts are copied once.
+
+Randomness: noise is drawn from ChaCha20 keyed afresh from the operating system on every call.
+Passing ``seed`` replaces that key with a deterministic one. **A seed is for tests and
+reproductions only**: anyone who knows it can recompute and subtract the noise, so output
+produced with a seed carries no privacy guarantee.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+
+ArrayLike = Any
+Grads = Union[np.ndarray, Sequence[np.ndarray]]
+
+_SEED_LIMIT = 1 << 64
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _seed(seed: Any) -> Optional[int]:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be None or an int, got {type(seed).__name__}")
+    seed = int(seed)
+    if not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def _dim(d: Any) -> int:
+    if isinstance(d, bool):
+        raise TypeError("a dimension must be an int")
+    return operator.index(d)
+
+
+def _float_array(a: ArrayLike, k: int) -> np.ndarray:
+    arr = a if isinstance(a, np.ndarray) else np.asarray(a)
+    dt = arr.dtype
+    if dt.kind != "f" or dt.itemsize not in (4, 8):
+        raise TypeError(
+            f"array {k}: records must be float32 or float64, got dtype {dt}"
+            + (" (cast with .astype(numpy.float32))" if dt.kind == "f" else "")
+        )
+    if arr.ndim == 0:
+        raise ValueError(f"array {k}: needs a leading record axis, got a 0-d array")
+    # Read in place when possible; copy only for non-contiguous, misaligned or byte-swapped input.
+    return np.require(arr, dtype=dt.newbyteorder("="), requirements=["C", "A"])
+
+
+def _unpack(grads: Grads) -> Tuple[List[np.ndarray], type]:
+    """The arrays of a batch, and the container type to give results back in."""
+    if isinstance(grads, (list, tuple)):
+        if len(grads) == 0:
+            raise ValueError("grads is an empty sequence; give at least one array of records")
+        arrays = [_float_array(a, k) for k, a in enumerate(grads)]
+        kind: type = type(grads) if type(grads) in (list, tuple) else list
+    else:
+        arrays = [_float_array(grads, 0)]
+        kind = np.ndarray
+    batch = arrays[0].shape[0]
+    for k, a in enumerate(arrays[1:], start=1):
+        if a.shape[0] != batch:
+            raise ValueError(f"array {k} has {a.shape[0]} records (leading axis) but array 0 has {batch}")
+    return arrays, kind
+
+
+def _pack(flat: List[np.ndarray], arrays: List[np.ndarray], kind: type) -> Any:
+    outs = [f.reshape(a.shape[1:]) for f, a in zip(flat, arrays)]
+    if kind is np.ndarray:
+        return outs[0]
+    return kind(outs)
+
+
+def clip_noise(
+    grads: Grads,
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    *,
+    denominator: Optional[float] = None,
+    seed: Optional[int] = None,
+) -> Any:
+    """Privatized sum of per-record clipped vectors: the Gaussian sum mechanism.
+
+    McMahan et al. 2018, §1 steps 2–3 (and Abadi et al. 2016, Algorithm 1): each record x_i is
+    scaled by min(1, C/‖x_i‖₂) with C = ``l2_norm_clip``, the scaled records are summed, and
+    N(0, (z·C)²) with z = ``noise_multiplier`` is added to every coordinate. With ``denominator``
+    the result is divided by it, e.g. the expected batch size q·n (the fixed-denominator
+    estimator of the paper's §3).
+
+    Norms, clip factors and the sum are computed in float64; a clipped record's norm never
+    exceeds C, also after rounding to float32. The result has the structure (array, list or
+    tuple), the shapes without the record axis, and the dtypes of ``grads``. B = 0 (an empty
+    Poisson sample) is valid and gives pure noise.
+
+    Raises ``ValueError`` for a NaN/∞ in a record (naming the first such record), mismatched
+    record counts, or out-of-range parameters; ``TypeError`` for non-float dtypes. On error
+    nothing is computed. ``seed`` is for tests and reproductions only (see the module docs).
+    """
+    clip = _real("l2_norm_clip", l2_norm_clip)
+    z = _real("noise_multiplier", noise_multiplier)
+    den = None if denominator is None else _real("denominator", denominator)
+    s = _seed(seed)
+    arrays, kind = _unpack(grads)
+    flat, _ = _core.gaussian_sum_flat(arrays, clip, z, den, s)
+    return _pack(flat, arrays, kind)
+
+
+def clip_sum(grads: Grads, l2_norm_clip: float) -> Tuple[Any, np.ndarray]:
+    """Sum of per-record clipped vectors without noise, and the records' unclipped norms.
+
+    The clipping of McMahan et al. 2018, §2 (flat clipping): Σ_i min(1, C/‖x_i‖₂)·x_i. Returns
+    ``(clipped_sum, norms)``: the sum with the structure and dtypes of ``grads``, and a float64
+    array of shape (B,). This is not private by itself; noise it with :func:`gaussian_noise`
+    or use :func:`clip_noise`.
+    """
+    clip = _real("l2_norm_clip", l2_norm_clip)
+    arrays, kind = _unpack(grads)
+    flat, norms = _core.gaussian_sum_flat(arrays, clip, 0.0, None, None)
+    return _pack(flat, arrays, kind), norms
+
+
+def record_norms(grads: Grads) -> np.ndarray:
+    """The joint L2 norm ‖x_i‖₂ of every record over all arrays, float64 of shape (B,).
+
+    Raises ``ValueError`` naming the first record with a NaN or infinite value.
+    """
+    arrays, _ = _unpack(grads)
+    return _core.record_norms(arrays)
+
+
+def gaussian_noise(
+    shape: Union[int, Sequence[int]],
+    stddev: float,
+    *,
+    dtype: Any = np.float32,
+    seed: Optional[int] = None,
+) -> np.ndarray:
+    """An array of i.i.d. N(0, stddev²) values from ChaCha20 (sampled in float64, rounded once).
+
+    The noise of the Gaussian mechanism (McMahan et al. 2018, §1 step 3). Keyed from the OS on
+    every call; ``seed`` is for tests and reproductions only (see the module docs).
+    """
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {dt}")
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (int(shape),)
+    try:
+        shape = tuple(_dim(d) for d in shape)  # type: ignore[union-attr]
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape must not have negative dimensions, got {shape}")
+    sd = _real("stddev", stddev)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    flat = _core.gaussian_flat(n, sd, dt == np.float64, _seed(seed))
+    return flat.reshape(shape)

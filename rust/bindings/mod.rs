@@ -1,0 +1,169 @@
+//! The one module that knows Python: converts numpy arrays to borrowed slices (no copies),
+//! releases the GIL around the work, and maps core errors and panics onto Python exceptions.
+//! Structure and dtype normalisation happens in `python/dpcore/mechanism.py`; this layer
+//! still refuses anything it cannot read in place.
+
+use crate::error::DpError;
+use crate::mechanism::{gaussian_sum, Output};
+use crate::noise::gaussian;
+use crate::records::{Column, Part, Records};
+use crate::rng::Seed;
+use crate::{clip, sampling, DpResult};
+use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+fn to_py(e: DpError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// Runs core work without the GIL. A panic (a bug, never expected) becomes a RuntimeError
+/// instead of crossing into Python as a PanicException.
+fn detached<T: Send, F: FnOnce() -> DpResult<T> + Send>(py: Python<'_>, f: F) -> PyResult<T> {
+    py.detach(|| catch_unwind(AssertUnwindSafe(f)))
+        .map_err(|p| {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            PyRuntimeError::new_err(format!("dpcore internal error (please report): {msg}"))
+        })?
+        .map_err(to_py)
+}
+
+enum Held<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    F64(PyReadonlyArrayDyn<'py, f64>),
+}
+
+/// Borrows each array read-only; all must share the leading (record) axis.
+fn hold<'py>(arrays: &[Bound<'py, PyAny>]) -> PyResult<(usize, Vec<(Held<'py>, usize)>)> {
+    let mut held = Vec::with_capacity(arrays.len());
+    let mut batch = None;
+    for (k, a) in arrays.iter().enumerate() {
+        let (h, shape) = if let Ok(x) = a.cast::<PyArrayDyn<f32>>() {
+            (Held::F32(x.readonly()), x.shape().to_vec())
+        } else if let Ok(x) = a.cast::<PyArrayDyn<f64>>() {
+            (Held::F64(x.readonly()), x.shape().to_vec())
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "array {k}: expected a float32 or float64 numpy array, got {}",
+                a.get_type().name()?
+            )));
+        };
+        let Some((&b, rest)) = shape.split_first() else {
+            return Err(PyValueError::new_err(format!("array {k}: needs a leading record axis")));
+        };
+        if *batch.get_or_insert(b) != b {
+            return Err(PyValueError::new_err(format!(
+                "array {k} has {b} records but array 0 has {}",
+                batch.unwrap_or(0)
+            )));
+        }
+        held.push((h, rest.iter().product()));
+    }
+    Ok((batch.unwrap_or(0), held))
+}
+
+fn records<'a>(batch: usize, held: &'a [(Held<'_>, usize)]) -> PyResult<Records<'a>> {
+    let not_contig = |_| PyValueError::new_err("arrays must be C-contiguous");
+    let parts = held
+        .iter()
+        .map(|(h, w)| {
+            let data = match h {
+                Held::F32(x) => Column::F32(x.as_slice().map_err(not_contig)?),
+                Held::F64(x) => Column::F64(x.as_slice().map_err(not_contig)?),
+            };
+            Ok(Part { data, width: *w })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Records::new(batch, parts).map_err(to_py)
+}
+
+fn outputs(py: Python<'_>, outs: Vec<Output>) -> Vec<Py<PyAny>> {
+    outs.into_iter()
+        .map(|o| match o {
+            Output::F32(v) => PyArray1::from_vec(py, v).into_any().unbind(),
+            Output::F64(v) => PyArray1::from_vec(py, v).into_any().unbind(),
+        })
+        .collect()
+}
+
+/// Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms.
+#[pyfunction]
+#[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None))]
+fn gaussian_sum_flat(
+    py: Python<'_>,
+    arrays: Vec<Bound<'_, PyAny>>,
+    l2_norm_clip: f64,
+    noise_multiplier: f64,
+    denominator: Option<f64>,
+    seed: Option<u64>,
+) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>)> {
+    let (batch, held) = hold(&arrays)?;
+    let rec = records(batch, &held)?;
+    let (outs, norms) =
+        detached(py, || gaussian_sum(&rec, l2_norm_clip, noise_multiplier, denominator, Seed::from_option(seed)))?;
+    Ok((outputs(py, outs), PyArray1::from_vec(py, norms).into_any().unbind()))
+}
+
+/// The joint L2 norm of every record, float64 of shape (B,).
+#[pyfunction]
+fn record_norms(py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    let (batch, held) = hold(&arrays)?;
+    let rec = records(batch, &held)?;
+    let norms = detached(py, || clip::record_norms(&rec))?;
+    Ok(PyArray1::from_vec(py, norms).into_any().unbind())
+}
+
+/// `n` values of N(0, stddev²), flat.
+#[pyfunction]
+#[pyo3(signature = (n, stddev, double, seed=None))]
+fn gaussian_flat(py: Python<'_>, n: usize, stddev: f64, double: bool, seed: Option<u64>) -> PyResult<Py<PyAny>> {
+    let key = Seed::from_option(seed).key().map_err(to_py)?;
+    Ok(if double {
+        PyArray1::from_vec(py, detached(py, || gaussian::<f64>(n, stddev, &key))?).into_any().unbind()
+    } else {
+        PyArray1::from_vec(py, detached(py, || gaussian::<f32>(n, stddev, &key))?).into_any().unbind()
+    })
+}
+
+/// Reads every byte of a float32 array on all threads: the streaming-read bandwidth that the
+/// benchmarks compare against. Not part of the public API.
+#[pyfunction]
+fn _stream_read(py: Python<'_>, a: PyReadonlyArrayDyn<'_, f32>) -> PyResult<f64> {
+    use rayon::prelude::*;
+    let x = a.as_slice().map_err(|_| PyValueError::new_err("array must be C-contiguous"))?;
+    py.detach(|| Ok(x.par_chunks(1 << 16).map(|c| c.iter().map(|v| *v as f64).sum::<f64>()).sum()))
+}
+
+/// Sorted indices of a Poisson sample (uint64).
+#[pyfunction]
+#[pyo3(signature = (n, q, seed=None))]
+fn poisson_sample(py: Python<'_>, n: u64, q: f64, seed: Option<u64>) -> PyResult<Py<PyAny>> {
+    let v = detached(py, || sampling::poisson_sample(n, q, Seed::from_option(seed)))?;
+    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+}
+
+/// Sorted indices of a uniform sample of fixed size without replacement (uint64).
+#[pyfunction]
+#[pyo3(signature = (n, b, seed=None))]
+fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyResult<Py<PyAny>> {
+    let v = detached(py, || sampling::fixed_size_sample(n, b, Seed::from_option(seed)))?;
+    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gaussian_sum_flat, m)?)?;
+    m.add_function(wrap_pyfunction!(record_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(gaussian_flat, m)?)?;
+    m.add_function(wrap_pyfunction!(_stream_read, m)?)?;
+    m.add_function(wrap_pyfunction!(poisson_sample, m)?)?;
+    m.add_function(wrap_pyfunction!(fixed_size_sample, m)?)?;
+    m.add("NOISE_CHUNK", crate::noise::NOISE_CHUNK)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

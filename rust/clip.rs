@@ -1,0 +1,351 @@
+//! Per-record L2 clipping and the clipped sum: McMahan et al. 2018, §1 step 2 and §2 ("flat
+//! clipping"): each record x_i is scaled by min(1, C / ‖x_i‖), with ‖·‖ the joint L2 norm over
+//! all its parts, and the scaled records are summed.
+//!
+//! One pass over memory. Records are processed in tiles that fit in the last-level cache: the
+//! norms of a tile are computed first (phase 1), then the tile's scaled rows are added into the
+//! f64 sums while they are still cached (phase 2). Both phases are split into fixed column
+//! blocks, and every sum is taken in a fixed order, so the result does not depend on the number
+//! of threads.
+
+use crate::error::{DpError, DpResult};
+use crate::kernels;
+use crate::records::{Column, Elem, Records};
+use rayon::prelude::*;
+
+/// Values per column block. Fixes the order of the norm's partial sums.
+pub const BLOCK: usize = 4096;
+/// Bytes of records per tile (a quarter of a 32 MiB L3 leaves room for the f64 sums).
+const TILE_BYTES: usize = 8 << 20;
+/// Below this many values a call runs on the calling thread.
+const PAR_MIN_VALUES: usize = 1 << 16;
+/// Sums of squares below this may have lost bits to underflow; such records are re-measured
+/// with scaling (only f64 records can get here).
+const SUMSQ_TINY: f64 = 1e-280;
+
+pub fn check_clip(l2_norm_clip: f64) -> DpResult<()> {
+    if !(l2_norm_clip.is_finite() && l2_norm_clip > 0.0) {
+        return Err(DpError::param("l2_norm_clip", format!("must be finite and > 0, got {l2_norm_clip}")));
+    }
+    Ok(())
+}
+
+/// The clipped sum Σ_i min(1, C/‖x_i‖)·x_i per part, in f64, and the unclipped norms ‖x_i‖.
+#[derive(Debug, Clone)]
+pub struct ClippedSum {
+    pub sums: Vec<Vec<f64>>,
+    pub norms: Vec<f64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    part: usize,
+    start: usize,
+    len: usize,
+}
+
+fn column_blocks(records: &Records) -> Vec<Block> {
+    let mut out = Vec::new();
+    for (k, p) in records.parts.iter().enumerate() {
+        let mut s = 0;
+        while s < p.width {
+            let len = BLOCK.min(p.width - s);
+            out.push(Block { part: k, start: s, len });
+            s += len;
+        }
+    }
+    out
+}
+
+/// Relative slack subtracted from every clip factor so that the clipped record's norm stays
+/// ≤ C after all rounding: the f64 norm's summation error (at most about D·2⁻⁵³), the
+/// divisions and products (a few 2⁻⁵³), and the final rounding to the output type.
+fn clip_margin(records: &Records) -> f64 {
+    let out_roundoff = records
+        .parts
+        .iter()
+        .map(|p| match p.data {
+            Column::F32(_) => f32::UNIT_ROUNDOFF,
+            Column::F64(_) => f64::UNIT_ROUNDOFF,
+        })
+        .fold(0.0, f64::max);
+    2.0 * ((records.dim() as f64 + 16.0) * f64::UNIT_ROUNDOFF + out_roundoff)
+}
+
+/// min(1, C / ‖x‖), shrunk by `margin` so that rounding can never push the clipped norm past C.
+#[inline]
+pub fn clip_factor(norm: f64, clip: f64, margin: f64) -> f64 {
+    let inflated = norm * (1.0 + margin);
+    if inflated > clip {
+        clip / inflated
+    } else {
+        1.0
+    }
+}
+
+fn row<'a, T: Elem>(x: &'a [T], width: usize, r: usize, b: &Block) -> &'a [T] {
+    &x[r * width + b.start..r * width + b.start + b.len]
+}
+
+fn block_sumsq(records: &Records, r: usize, b: &Block) -> f64 {
+    let p = &records.parts[b.part];
+    match p.data {
+        Column::F32(x) => kernels::sumsq(row(x, p.width, r, b)),
+        Column::F64(x) => kernels::sumsq(row(x, p.width, r, b)),
+    }
+}
+
+/// Re-examines record r whose sum of squares is non-finite or tiny: reports a NaN/∞, or
+/// recomputes the norm with scaling when the squares overflowed or underflowed.
+fn careful_norm(records: &Records, r: usize) -> DpResult<f64> {
+    fn part_row<T: Elem>(x: &[T], w: usize, r: usize) -> &[T] {
+        &x[r * w..(r + 1) * w]
+    }
+    let mut finite = true;
+    let mut m = 0.0f64;
+    for p in &records.parts {
+        match p.data {
+            Column::F32(x) => {
+                let s = part_row(x, p.width, r);
+                finite &= kernels::all_finite(s);
+                if finite {
+                    m = m.max(kernels::max_abs(s));
+                }
+            }
+            Column::F64(x) => {
+                let s = part_row(x, p.width, r);
+                finite &= kernels::all_finite(s);
+                if finite {
+                    m = m.max(kernels::max_abs(s));
+                }
+            }
+        }
+    }
+    if !finite {
+        return Err(DpError::NonFiniteRecord { index: r });
+    }
+    if m == 0.0 {
+        return Ok(0.0);
+    }
+    let mut s = 0.0;
+    for p in &records.parts {
+        s += match p.data {
+            Column::F32(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m),
+            Column::F64(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m),
+        };
+    }
+    Ok(m * s.sqrt())
+}
+
+/// Phase 1 for rows [r0, r1): their L2 norms, or the first record that is not finite.
+fn tile_norms(records: &Records, blocks: &[Block], r0: usize, r1: usize, par: bool) -> DpResult<Vec<f64>> {
+    let nb = blocks.len();
+    let mut partial = vec![0.0f64; (r1 - r0) * nb];
+    let fill = |(i, out): (usize, &mut f64)| {
+        let (r, b) = (r0 + i / nb.max(1), i % nb.max(1));
+        *out = block_sumsq(records, r, &blocks[b]);
+    };
+    if par {
+        partial.par_iter_mut().with_min_len(8).enumerate().for_each(fill);
+    } else {
+        partial.iter_mut().enumerate().for_each(fill);
+    }
+    let mut norms = Vec::with_capacity(r1 - r0);
+    for r in r0..r1 {
+        let s: f64 = partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().sum();
+        let n = if s.is_finite() && s >= SUMSQ_TINY { s.sqrt() } else { careful_norm(records, r)? };
+        norms.push(n);
+    }
+    Ok(norms)
+}
+
+/// Phase 2 for rows [r0, r0 + factors.len()): sums += Σ_r f_r·x_r, block by block.
+fn tile_accumulate(records: &Records, blocks: &[Block], acc: &mut [&mut [f64]], r0: usize, factors: &[f64], par: bool) {
+    fn add<T: Elem>(acc: &mut [f64], x: &[T], width: usize, b: &Block, r0: usize, factors: &[f64]) {
+        let rows: Vec<(f64, &[T])> =
+            factors.iter().enumerate().map(|(i, &f)| (f, row(x, width, r0 + i, b))).collect();
+        kernels::axpy_rows(acc, &rows);
+    }
+    let work = |(a, b): (&mut &mut [f64], &Block)| {
+        let p = &records.parts[b.part];
+        match p.data {
+            Column::F32(x) => add(a, x, p.width, b, r0, factors),
+            Column::F64(x) => add(a, x, p.width, b, r0, factors),
+        }
+    };
+    if par {
+        acc.par_iter_mut().zip(blocks.par_iter()).for_each(work);
+    } else {
+        acc.iter_mut().zip(blocks.iter()).for_each(work);
+    }
+}
+
+fn tile_rows(records: &Records) -> usize {
+    (TILE_BYTES / records.record_bytes().max(1)).clamp(1, records.batch.max(1))
+}
+
+fn use_parallel(records: &Records) -> bool {
+    records.batch.saturating_mul(records.dim()) >= PAR_MIN_VALUES
+}
+
+/// The L2 norm of every record (joint over its parts), in f64.
+pub fn record_norms(records: &Records) -> DpResult<Vec<f64>> {
+    let blocks = column_blocks(records);
+    let (step, par) = (tile_rows(records), use_parallel(records));
+    let mut norms = Vec::with_capacity(records.batch);
+    let mut r0 = 0;
+    while r0 < records.batch {
+        let r1 = (r0 + step).min(records.batch);
+        norms.extend(tile_norms(records, &blocks, r0, r1, par)?);
+        r0 = r1;
+    }
+    Ok(norms)
+}
+
+/// Clips every record to L2 norm `l2_norm_clip` and sums them, in one pass over the records.
+/// On error (a non-finite record) nothing is returned.
+pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
+    check_clip(l2_norm_clip)?;
+    let blocks = column_blocks(records);
+    let margin = clip_margin(records);
+    let (step, par) = (tile_rows(records), use_parallel(records));
+    let mut sums: Vec<Vec<f64>> = records.parts.iter().map(|p| vec![0.0; p.width]).collect();
+    let mut norms = Vec::with_capacity(records.batch);
+    {
+        let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
+        debug_assert_eq!(acc.len(), blocks.len());
+        let mut r0 = 0;
+        while r0 < records.batch {
+            let r1 = (r0 + step).min(records.batch);
+            let tile = tile_norms(records, &blocks, r0, r1, par)?;
+            let factors: Vec<f64> = tile.iter().map(|&n| clip_factor(n, l2_norm_clip, margin)).collect();
+            tile_accumulate(records, &blocks, &mut acc, r0, &factors, par);
+            norms.extend(tile);
+            r0 = r1;
+        }
+    }
+    Ok(ClippedSum { sums, norms })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::Part;
+
+    fn f32_records(batch: usize, widths: &[usize], data: &[Vec<f32>]) -> Records<'static> {
+        let parts = widths
+            .iter()
+            .zip(data)
+            .map(|(&w, d)| Part { data: Column::F32(Box::leak(d.clone().into_boxed_slice())), width: w })
+            .collect();
+        Records::new(batch, parts).unwrap()
+    }
+
+    fn pseudo(n: usize, seed: u64) -> Vec<f32> {
+        (0..n).map(|i| (((i as u64 + 1) * 2654435761 + seed) % 1000) as f32 / 100.0 - 5.0).collect()
+    }
+
+    fn reference(batch: usize, widths: &[usize], data: &[Vec<f32>], c: f64) -> (Vec<Vec<f64>>, Vec<f64>) {
+        let norms: Vec<f64> = (0..batch)
+            .map(|r| {
+                widths
+                    .iter()
+                    .zip(data)
+                    .map(|(&w, d)| d[r * w..(r + 1) * w].iter().map(|v| (*v as f64).powi(2)).sum::<f64>())
+                    .sum::<f64>()
+                    .sqrt()
+            })
+            .collect();
+        let sums = widths
+            .iter()
+            .zip(data)
+            .map(|(&w, d)| {
+                (0..w)
+                    .map(|j| (0..batch).map(|r| (c / norms[r]).min(1.0) * d[r * w + j] as f64).sum())
+                    .collect()
+            })
+            .collect();
+        (sums, norms)
+    }
+
+    #[test]
+    fn matches_reference_over_shapes() {
+        for (batch, widths) in [(1, vec![3]), (5, vec![1, 7]), (33, vec![5000, 3, 9000]), (3, vec![0, 4])] {
+            let data: Vec<Vec<f32>> = widths.iter().enumerate().map(|(k, &w)| pseudo(batch * w, k as u64)).collect();
+            let rec = f32_records(batch, &widths, &data);
+            let out = clip_sum(&rec, 3.0).unwrap();
+            let (sums, norms) = reference(batch, &widths, &data, 3.0);
+            for (a, b) in out.norms.iter().zip(&norms) {
+                assert!((a - b).abs() <= 1e-12 * b, "{a} vs {b}");
+            }
+            for (s, t) in out.sums.iter().zip(&sums) {
+                for (a, b) in s.iter().zip(t) {
+                    assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn clipped_norm_never_exceeds_clip() {
+        for scale in [1e-3f32, 1.0, 7.0, 1e6] {
+            let w = 10_000;
+            let d: Vec<f32> = pseudo(w, 9).iter().map(|v| v * scale).collect();
+            let rec = f32_records(1, &[w], &[d]);
+            for c in [1e-6, 0.1, 1.0, 3.3] {
+                let out = clip_sum(&rec, c).unwrap();
+                let as_f32: Vec<f32> = out.sums[0].iter().map(|v| *v as f32).collect();
+                let n = as_f32.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+                assert!(n <= c, "norm {n} > clip {c}");
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_record_is_reported_by_index() {
+        let mut d = pseudo(56, 1);
+        d[3 * 8 + 2] = f32::NAN;
+        d[6 * 8] = f32::INFINITY;
+        let rec = f32_records(7, &[8], &[d]);
+        assert_eq!(clip_sum(&rec, 1.0).unwrap_err(), DpError::NonFiniteRecord { index: 3 });
+    }
+
+    #[test]
+    fn huge_and_tiny_f64_records_are_measured_with_scaling() {
+        let big = vec![1e200f64, -1e200, 1e200];
+        let tiny = vec![3e-170f64, 4e-170, 0.0];
+        let zero = vec![0.0f64; 3];
+        let data: Vec<f64> = [big, tiny, zero].concat();
+        let rec = Records::new(3, vec![Part { data: Column::F64(&data), width: 3 }]).unwrap();
+        let n = record_norms(&rec).unwrap();
+        assert!((n[0] / (3f64.sqrt() * 1e200) - 1.0).abs() < 1e-15);
+        assert!((n[1] / 5e-170 - 1.0).abs() < 1e-15);
+        assert_eq!(n[2], 0.0);
+        let s = clip_sum(&rec, 1e-171).unwrap();
+        let tiny_out = (s.sums[0][0].powi(2) + s.sums[0][1].powi(2)).sqrt();
+        assert!(tiny_out.is_finite() && s.sums[0][2].abs() < 1e-171);
+    }
+
+    #[test]
+    fn thread_count_does_not_change_bits() {
+        let widths = [70_000usize, 123];
+        let data: Vec<Vec<f32>> = widths.iter().enumerate().map(|(k, &w)| pseudo(200 * w, k as u64)).collect();
+        let rec = f32_records(200, &widths, &data);
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let four = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+        let a = one.install(|| clip_sum(&rec, 2.0).unwrap());
+        let b = four.install(|| clip_sum(&rec, 2.0).unwrap());
+        assert_eq!(a.sums, b.sums);
+        assert_eq!(a.norms, b.norms);
+    }
+
+    #[test]
+    fn rejects_bad_clip_and_shapes() {
+        let d = [1.0f32; 6];
+        let rec = Records::new(2, vec![Part { data: Column::F32(&d), width: 3 }]).unwrap();
+        for c in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(clip_sum(&rec, c), Err(DpError::InvalidParameter { .. })));
+        }
+        assert!(Records::new(3, vec![Part { data: Column::F32(&d), width: 3 }]).is_err());
+    }
+}

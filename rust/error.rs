@@ -1,0 +1,35 @@
+//! Errors of the pure core. The bindings map each variant onto a Python exception type.
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum DpError {
+    /// A parameter is out of its valid range (mapped to `ValueError`).
+    InvalidParameter { name: &'static str, message: String },
+    /// Record `index` holds a NaN or an infinity (mapped to `ValueError`).
+    NonFiniteRecord { index: usize },
+    /// Arrays disagree on shape, or a buffer is not the size its shape says (`ValueError`).
+    Shape(String),
+}
+
+pub type DpResult<T> = Result<T, DpError>;
+
+impl DpError {
+    pub fn param(name: &'static str, message: impl Into<String>) -> Self {
+        DpError::InvalidParameter { name, message: message.into() }
+    }
+}
+
+impl fmt::Display for DpError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DpError::InvalidParameter { name, message } => write!(f, "{name}: {message}"),
+            DpError::NonFiniteRecord { index } => write!(
+                f,
+                "record {index} contains a NaN or infinite value; a record must be finite to be clipped"
+            ),
+            DpError::Shape(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for DpError {}

@@ -1,0 +1,110 @@
+//! A batch of records, read in place.
+//!
+//! A record is one row of every array taken together (McMahan et al. 2018, §2: the per-example
+//! vectors of all parameter tensors of a model). The arrays are never concatenated: each `Part`
+//! borrows one caller's buffer, row-major with `width` values per record.
+
+use crate::error::{DpError, DpResult};
+
+/// Element types a record may hold. Arithmetic is always done in `f64`.
+pub trait Elem: Copy + Send + Sync + 'static {
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+    /// Unit roundoff of the type (half an ulp at 1.0).
+    const UNIT_ROUNDOFF: f64;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    const UNIT_ROUNDOFF: f64 = 5.960464477539063e-8; // 2^-24
+}
+
+impl Elem for f64 {
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    const UNIT_ROUNDOFF: f64 = 1.1102230246251565e-16; // 2^-53
+}
+
+/// One caller buffer of `batch * width` values.
+#[derive(Clone, Copy, Debug)]
+pub enum Column<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+}
+
+impl Column<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Column::F32(x) => x.len(),
+            Column::F64(x) => x.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn elem_size(&self) -> usize {
+        match self {
+            Column::F32(_) => 4,
+            Column::F64(_) => 8,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Part<'a> {
+    pub data: Column<'a>,
+    /// Values per record in this part (the product of the array's non-batch dimensions).
+    pub width: usize,
+}
+
+/// A batch of `batch` records spread over one or more parts.
+#[derive(Clone, Debug)]
+pub struct Records<'a> {
+    pub batch: usize,
+    pub parts: Vec<Part<'a>>,
+}
+
+impl<'a> Records<'a> {
+    /// Checks that every buffer holds exactly `batch * width` values.
+    pub fn new(batch: usize, parts: Vec<Part<'a>>) -> DpResult<Self> {
+        if parts.is_empty() {
+            return Err(DpError::Shape("at least one array of records is required".into()));
+        }
+        for (k, p) in parts.iter().enumerate() {
+            let expected = batch.checked_mul(p.width).ok_or_else(|| {
+                DpError::Shape(format!("array {k}: batch {batch} x width {} overflows", p.width))
+            })?;
+            if p.data.len() != expected {
+                return Err(DpError::Shape(format!(
+                    "array {k} holds {} values but {batch} records of width {} need {expected}",
+                    p.data.len(),
+                    p.width
+                )));
+            }
+        }
+        Ok(Records { batch, parts })
+    }
+
+    /// Total values per record over all parts (D in the paper).
+    pub fn dim(&self) -> usize {
+        self.parts.iter().map(|p| p.width).sum()
+    }
+
+    /// Bytes one record occupies over all parts.
+    pub fn record_bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.width * p.data.elem_size()).sum()
+    }
+}
