@@ -2,6 +2,10 @@
 //! clipping"): each record x_i is scaled by min(1, C / ‖x_i‖), with ‖·‖ the joint L2 norm over
 //! all its parts, and the scaled records are summed.
 //!
+//! Joint clipping with scales (§2): with part scales α_j the norm is that of the scaled record
+//! (x_i1/α_1, …, x_iK/α_K); the factor multiplies the unscaled parts, so the sum returned is
+//! already "scaled back". With all α_j = 1 this is flat clipping, bit for bit.
+//!
 //! One pass over memory. Records are processed in tiles that fit in the last-level cache: the
 //! norms of a tile are computed first (phase 1), then the tile's scaled rows are added into the
 //! f64 sums while they are still cached (phase 2). Both phases are split into fixed column
@@ -69,7 +73,7 @@ fn clip_margin(records: &Records) -> f64 {
             Column::F64(_) => f64::UNIT_ROUNDOFF,
         })
         .fold(0.0, f64::max);
-    2.0 * ((records.dim() as f64 + 16.0) * f64::UNIT_ROUNDOFF + out_roundoff)
+    2.0 * ((records.dim() as f64 + 32.0) * f64::UNIT_ROUNDOFF + out_roundoff)
 }
 
 /// min(1, C / ‖x‖), shrunk by `margin` so that rounding can never push the clipped norm past C.
@@ -104,21 +108,19 @@ fn careful_norm(records: &Records, r: usize) -> DpResult<f64> {
     let mut finite = true;
     let mut m = 0.0f64;
     for p in &records.parts {
-        match p.data {
+        let (ok, mx) = match p.data {
             Column::F32(x) => {
                 let s = part_row(x, p.width, r);
-                finite &= kernels::all_finite(s);
-                if finite {
-                    m = m.max(kernels::max_abs(s));
-                }
+                (kernels::all_finite(s), kernels::max_abs(s))
             }
             Column::F64(x) => {
                 let s = part_row(x, p.width, r);
-                finite &= kernels::all_finite(s);
-                if finite {
-                    m = m.max(kernels::max_abs(s));
-                }
+                (kernels::all_finite(s), kernels::max_abs(s))
             }
+        };
+        finite &= ok;
+        if finite {
+            m = m.max(mx / p.scale);
         }
     }
     if !finite {
@@ -130,8 +132,8 @@ fn careful_norm(records: &Records, r: usize) -> DpResult<f64> {
     let mut s = 0.0;
     for p in &records.parts {
         s += match p.data {
-            Column::F32(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m),
-            Column::F64(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m),
+            Column::F32(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m * p.scale),
+            Column::F64(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m * p.scale),
         };
     }
     Ok(m * s.sqrt())
@@ -150,9 +152,11 @@ fn tile_norms(records: &Records, blocks: &[Block], r0: usize, r1: usize, par: bo
     } else {
         partial.iter_mut().enumerate().for_each(fill);
     }
+    // 1/α² per block; exactly 1 for flat clipping, so flat results do not depend on this path.
+    let weights: Vec<f64> = blocks.iter().map(|b| 1.0 / records.parts[b.part].scale.powi(2)).collect();
     let mut norms = Vec::with_capacity(r1 - r0);
     for r in r0..r1 {
-        let s: f64 = partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().sum();
+        let s: f64 = partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().zip(&weights).map(|(p, w)| p * w).sum();
         let n = if s.is_finite() && s >= SUMSQ_TINY { s.sqrt() } else { careful_norm(records, r)? };
         norms.push(n);
     }
@@ -188,7 +192,7 @@ fn use_parallel(records: &Records) -> bool {
     records.batch.saturating_mul(records.dim()) >= PAR_MIN_VALUES
 }
 
-/// The L2 norm of every record (joint over its parts), in f64.
+/// The L2 norm of every record (joint over its parts, each part divided by its scale), in f64.
 pub fn record_norms(records: &Records) -> DpResult<Vec<f64>> {
     let blocks = column_blocks(records);
     let (step, par) = (tile_rows(records), use_parallel(records));
@@ -236,7 +240,7 @@ mod tests {
         let parts = widths
             .iter()
             .zip(data)
-            .map(|(&w, d)| Part { data: Column::F32(Box::leak(d.clone().into_boxed_slice())), width: w })
+            .map(|(&w, d)| Part::new(Column::F32(Box::leak(d.clone().into_boxed_slice())), w))
             .collect();
         Records::new(batch, parts).unwrap()
     }
@@ -316,7 +320,7 @@ mod tests {
         let tiny = vec![3e-170f64, 4e-170, 0.0];
         let zero = vec![0.0f64; 3];
         let data: Vec<f64> = [big, tiny, zero].concat();
-        let rec = Records::new(3, vec![Part { data: Column::F64(&data), width: 3 }]).unwrap();
+        let rec = Records::new(3, vec![Part::new(Column::F64(&data), 3)]).unwrap();
         let n = record_norms(&rec).unwrap();
         assert!((n[0] / (3f64.sqrt() * 1e200) - 1.0).abs() < 1e-15);
         assert!((n[1] / 5e-170 - 1.0).abs() < 1e-15);
@@ -340,12 +344,30 @@ mod tests {
     }
 
     #[test]
+    fn joint_clipping_uses_scaled_norm() {
+        // Paper §2 example: ‖v1‖ ≤ 1, ‖v2‖ ≤ 100, α = (1, 100), S = 1.
+        let v1 = [0.6f64, 0.8, 0.0, 0.0]; // records: (v1=(0.6,0.8), v2=0), (v1=0, v2=(60,80))
+        let v2 = [0.0f64, 0.0, 60.0, 80.0];
+        let parts = vec![
+            Part::new(Column::F64(&v1), 2).with_scale(1.0),
+            Part::new(Column::F64(&v2), 2).with_scale(100.0),
+        ];
+        let rec = Records::new(2, parts).unwrap();
+        let n = record_norms(&rec).unwrap();
+        assert!((n[0] - 1.0).abs() < 1e-15 && (n[1] - 1.0).abs() < 1e-15);
+        let out = clip_sum(&rec, 0.5).unwrap();
+        assert!((out.sums[0][0] - 0.3).abs() < 1e-9 && (out.sums[1][1] - 40.0).abs() < 1e-6);
+        let bad = vec![Part::new(Column::F64(&v1), 2).with_scale(0.0)];
+        assert!(Records::new(2, bad).is_err());
+    }
+
+    #[test]
     fn rejects_bad_clip_and_shapes() {
         let d = [1.0f32; 6];
-        let rec = Records::new(2, vec![Part { data: Column::F32(&d), width: 3 }]).unwrap();
+        let rec = Records::new(2, vec![Part::new(Column::F32(&d), 3)]).unwrap();
         for c in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             assert!(matches!(clip_sum(&rec, c), Err(DpError::InvalidParameter { .. })));
         }
-        assert!(Records::new(3, vec![Part { data: Column::F32(&d), width: 3 }]).is_err());
+        assert!(Records::new(3, vec![Part::new(Column::F32(&d), 3)]).is_err());
     }
 }

@@ -68,6 +68,18 @@ pub struct Part<'a> {
     pub data: Column<'a>,
     /// Values per record in this part (the product of the array's non-batch dimensions).
     pub width: usize,
+    /// Joint-clipping scale α of this part (McMahan et al. 2018, §2): the record is clipped as
+    /// if this part were divided by α, and the part's noise is multiplied by α. 1 for flat clipping.
+    pub scale: f64,
+}
+
+impl<'a> Part<'a> {
+    pub fn new(data: Column<'a>, width: usize) -> Self {
+        Part { data, width, scale: 1.0 }
+    }
+    pub fn with_scale(self, scale: f64) -> Self {
+        Part { scale, ..self }
+    }
 }
 
 /// A batch of `batch` records spread over one or more parts.
@@ -84,6 +96,9 @@ impl<'a> Records<'a> {
             return Err(DpError::Shape("at least one array of records is required".into()));
         }
         for (k, p) in parts.iter().enumerate() {
+            if !(p.scale.is_finite() && p.scale > 0.0) {
+                return Err(DpError::param("scales", format!("scale {k} must be finite and > 0, got {}", p.scale)));
+            }
             let expected = batch.checked_mul(p.width).ok_or_else(|| {
                 DpError::Shape(format!("array {k}: batch {batch} x width {} overflows", p.width))
             })?;

@@ -82,6 +82,17 @@ def _unpack(grads: Grads) -> Tuple[List[np.ndarray], type]:
     return arrays, kind
 
 
+def _scales(scales: Any, n: int) -> Optional[List[float]]:
+    if scales is None:
+        return None
+    if isinstance(scales, numbers.Real):
+        raise TypeError("scales must be a sequence with one scale per array")
+    vals = [_real("scales", a) for a in scales]
+    if len(vals) != n:
+        raise ValueError(f"scales has {len(vals)} values but grads has {n} arrays")
+    return vals
+
+
 def _pack(flat: List[np.ndarray], arrays: List[np.ndarray], kind: type) -> Any:
     outs = [f.reshape(a.shape[1:]) for f, a in zip(flat, arrays)]
     if kind is np.ndarray:
@@ -96,6 +107,7 @@ def clip_noise(
     *,
     denominator: Optional[float] = None,
     seed: Optional[int] = None,
+    scales: Optional[Sequence[float]] = None,
 ) -> Any:
     """Privatized sum of per-record clipped vectors: the Gaussian sum mechanism.
 
@@ -104,6 +116,11 @@ def clip_noise(
     N(0, (z·C)²) with z = ``noise_multiplier`` is added to every coordinate. With ``denominator``
     the result is divided by it, e.g. the expected batch size q·n (the fixed-denominator
     estimator of the paper's §3).
+
+    ``scales`` (one α_j > 0 per array) selects joint clipping (§2 of the paper): record i is
+    clipped by the norm of (x_i1/α_1, …, x_iK/α_K), and array j receives noise of stddev
+    α_j·z·C. The privacy tuple is (C, z·C) whatever the scales; they only shape the clipping
+    region and the noise to parts of very different magnitude.
 
     Norms, clip factors and the sum are computed in float64; a clipped record's norm never
     exceeds C, also after rounding to float32. The result has the structure (array, list or
@@ -119,31 +136,35 @@ def clip_noise(
     den = None if denominator is None else _real("denominator", denominator)
     s = _seed(seed)
     arrays, kind = _unpack(grads)
-    flat, _ = _core.gaussian_sum_flat(arrays, clip, z, den, s)
+    flat, _ = _core.gaussian_sum_flat(arrays, clip, z, den, s, _scales(scales, len(arrays)))
     return _pack(flat, arrays, kind)
 
 
-def clip_sum(grads: Grads, l2_norm_clip: float) -> Tuple[Any, np.ndarray]:
+def clip_sum(
+    grads: Grads, l2_norm_clip: float, *, scales: Optional[Sequence[float]] = None
+) -> Tuple[Any, np.ndarray]:
     """Sum of per-record clipped vectors without noise, and the records' unclipped norms.
 
     The clipping of McMahan et al. 2018, §2 (flat clipping): Σ_i min(1, C/‖x_i‖₂)·x_i. Returns
     ``(clipped_sum, norms)``: the sum with the structure and dtypes of ``grads``, and a float64
     array of shape (B,). This is not private by itself; noise it with :func:`gaussian_noise`
-    or use :func:`clip_noise`.
+    or use :func:`clip_noise`. ``scales`` selects joint clipping as in :func:`clip_noise`, and
+    the norms are then those of the scaled records.
     """
     clip = _real("l2_norm_clip", l2_norm_clip)
     arrays, kind = _unpack(grads)
-    flat, norms = _core.gaussian_sum_flat(arrays, clip, 0.0, None, None)
+    flat, norms = _core.gaussian_sum_flat(arrays, clip, 0.0, None, None, _scales(scales, len(arrays)))
     return _pack(flat, arrays, kind), norms
 
 
-def record_norms(grads: Grads) -> np.ndarray:
+def record_norms(grads: Grads, *, scales: Optional[Sequence[float]] = None) -> np.ndarray:
     """The joint L2 norm ‖x_i‖₂ of every record over all arrays, float64 of shape (B,).
 
-    Raises ``ValueError`` naming the first record with a NaN or infinite value.
+    With ``scales``, the norm of the scaled record (x_i1/α_1, …, x_iK/α_K). Raises
+    ``ValueError`` naming the first record with a NaN or infinite value.
     """
     arrays, _ = _unpack(grads)
-    return _core.record_norms(arrays)
+    return _core.record_norms(arrays, _scales(scales, len(arrays)))
 
 
 def gaussian_noise(

@@ -67,16 +67,22 @@ fn hold<'py>(arrays: &[Bound<'py, PyAny>]) -> PyResult<(usize, Vec<(Held<'py>, u
     Ok((batch.unwrap_or(0), held))
 }
 
-fn records<'a>(batch: usize, held: &'a [(Held<'_>, usize)]) -> PyResult<Records<'a>> {
+fn records<'a>(batch: usize, held: &'a [(Held<'_>, usize)], scales: Option<&[f64]>) -> PyResult<Records<'a>> {
+    if let Some(s) = scales {
+        if s.len() != held.len() {
+            return Err(PyValueError::new_err(format!("scales: {} values for {} arrays", s.len(), held.len())));
+        }
+    }
     let not_contig = |_| PyValueError::new_err("arrays must be C-contiguous");
     let parts = held
         .iter()
-        .map(|(h, w)| {
+        .enumerate()
+        .map(|(k, (h, w))| {
             let data = match h {
                 Held::F32(x) => Column::F32(x.as_slice().map_err(not_contig)?),
                 Held::F64(x) => Column::F64(x.as_slice().map_err(not_contig)?),
             };
-            Ok(Part { data, width: *w })
+            Ok(Part::new(data, *w).with_scale(scales.map_or(1.0, |s| s[k])))
         })
         .collect::<PyResult<Vec<_>>>()?;
     Records::new(batch, parts).map_err(to_py)
@@ -93,7 +99,7 @@ fn outputs(py: Python<'_>, outs: Vec<Output>) -> Vec<Py<PyAny>> {
 
 /// Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms.
 #[pyfunction]
-#[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None))]
+#[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None, scales=None))]
 fn gaussian_sum_flat(
     py: Python<'_>,
     arrays: Vec<Bound<'_, PyAny>>,
@@ -101,19 +107,21 @@ fn gaussian_sum_flat(
     noise_multiplier: f64,
     denominator: Option<f64>,
     seed: Option<u64>,
+    scales: Option<Vec<f64>>,
 ) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>)> {
     let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held)?;
+    let rec = records(batch, &held, scales.as_deref())?;
     let (outs, norms) =
         detached(py, || gaussian_sum(&rec, l2_norm_clip, noise_multiplier, denominator, Seed::from_option(seed)))?;
     Ok((outputs(py, outs), PyArray1::from_vec(py, norms).into_any().unbind()))
 }
 
-/// The joint L2 norm of every record, float64 of shape (B,).
+/// The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,).
 #[pyfunction]
-fn record_norms(py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+#[pyo3(signature = (arrays, scales=None))]
+fn record_norms(py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>, scales: Option<Vec<f64>>) -> PyResult<Py<PyAny>> {
     let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held)?;
+    let rec = records(batch, &held, scales.as_deref())?;
     let norms = detached(py, || clip::record_norms(&rec))?;
     Ok(PyArray1::from_vec(py, norms).into_any().unbind())
 }
