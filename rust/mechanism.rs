@@ -42,6 +42,19 @@ pub fn gaussian_sum(
     denominator: Option<f64>,
     seed: Seed,
 ) -> DpResult<(Vec<Output>, Vec<f64>)> {
+    gaussian_sum_as(records, l2_norm_clip, noise_multiplier, denominator, seed, false)
+}
+
+/// As `gaussian_sum`; with `f64_out` every output is f64 whatever the input type (for callers
+/// that keep accumulating, such as a query's sample state).
+pub fn gaussian_sum_as(
+    records: &Records,
+    l2_norm_clip: f64,
+    noise_multiplier: f64,
+    denominator: Option<f64>,
+    seed: Seed,
+    f64_out: bool,
+) -> DpResult<(Vec<Output>, Vec<f64>)> {
     check_clip(l2_norm_clip)?;
     check_noise_multiplier(noise_multiplier)?;
     let denom = check_denominator(denominator)?;
@@ -58,8 +71,8 @@ pub fn gaussian_sum(
         .zip(&records.parts)
         .enumerate()
         .map(|(k, (s, p))| match p.data {
-            Column::F32(_) => Output::F32(noised_part(s, stddev * p.scale, denom, &key, k)),
-            Column::F64(_) => Output::F64(noised_part(s, stddev * p.scale, denom, &key, k)),
+            Column::F32(_) if !f64_out => Output::F32(noised_part(s, stddev * p.scale, denom, &key, k)),
+            _ => Output::F64(noised_part(s, stddev * p.scale, denom, &key, k)),
         })
         .collect();
     Ok((outputs, norms))

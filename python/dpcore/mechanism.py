@@ -141,7 +141,11 @@ def clip_noise(
 
 
 def clip_sum(
-    grads: Grads, l2_norm_clip: float, *, scales: Optional[Sequence[float]] = None
+    grads: Grads,
+    l2_norm_clip: float,
+    *,
+    scales: Optional[Sequence[float]] = None,
+    dtype: Any = None,
 ) -> Tuple[Any, np.ndarray]:
     """Sum of per-record clipped vectors without noise, and the records' unclipped norms.
 
@@ -149,11 +153,16 @@ def clip_sum(
     ``(clipped_sum, norms)``: the sum with the structure and dtypes of ``grads``, and a float64
     array of shape (B,). This is not private by itself; noise it with :func:`gaussian_noise`
     or use :func:`clip_noise`. ``scales`` selects joint clipping as in :func:`clip_noise`, and
-    the norms are then those of the scaled records.
+    the norms are then those of the scaled records. ``dtype=numpy.float64`` returns the sums
+    in float64 whatever the input dtype (for callers that keep accumulating across batches).
     """
     clip = _real("l2_norm_clip", l2_norm_clip)
+    if dtype is not None and np.dtype(dtype) != np.float64:
+        raise TypeError(f"dtype must be None (the input's) or float64, got {np.dtype(dtype)}")
     arrays, kind = _unpack(grads)
-    flat, norms = _core.gaussian_sum_flat(arrays, clip, 0.0, None, None, _scales(scales, len(arrays)))
+    flat, norms = _core.gaussian_sum_flat(
+        arrays, clip, 0.0, None, None, _scales(scales, len(arrays)), dtype is not None
+    )
     return _pack(flat, arrays, kind), norms
 
 

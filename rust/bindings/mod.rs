@@ -4,7 +4,7 @@
 //! still refuses anything it cannot read in place.
 
 use crate::error::DpError;
-use crate::mechanism::{gaussian_sum, Output};
+use crate::mechanism::{gaussian_sum_as, Output};
 use crate::noise::gaussian;
 use crate::records::{Column, Part, Records};
 use crate::rng::Seed;
@@ -99,7 +99,7 @@ fn outputs(py: Python<'_>, outs: Vec<Output>) -> Vec<Py<PyAny>> {
 
 /// Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms.
 #[pyfunction]
-#[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None, scales=None))]
+#[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None, scales=None, f64_out=false))]
 fn gaussian_sum_flat(
     py: Python<'_>,
     arrays: Vec<Bound<'_, PyAny>>,
@@ -108,11 +108,13 @@ fn gaussian_sum_flat(
     denominator: Option<f64>,
     seed: Option<u64>,
     scales: Option<Vec<f64>>,
+    f64_out: bool,
 ) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>)> {
     let (batch, held) = hold(&arrays)?;
     let rec = records(batch, &held, scales.as_deref())?;
+    let seed = Seed::from_option(seed);
     let (outs, norms) =
-        detached(py, || gaussian_sum(&rec, l2_norm_clip, noise_multiplier, denominator, Seed::from_option(seed)))?;
+        detached(py, || gaussian_sum_as(&rec, l2_norm_clip, noise_multiplier, denominator, seed, f64_out))?;
     Ok((outputs(py, outs), PyArray1::from_vec(py, norms).into_any().unbind()))
 }
 
