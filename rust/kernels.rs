@@ -77,15 +77,15 @@ fn all_finite_generic<T: Elem>(x: &[T]) -> bool {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx512f")]
     pub fn sumsq<T: Elem>(x: &[T]) -> f64 {
         sumsq_generic(x)
     }
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx512f")]
     pub fn axpy_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
         axpy_rows_generic(acc, rows)
     }
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx512f")]
     pub fn all_finite<T: Elem>(x: &[T]) -> bool {
         all_finite_generic(x)
     }
@@ -95,7 +95,7 @@ mod avx2 {
 fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -145,6 +145,37 @@ pub fn sumsq_scaled<T: Elem>(x: &[T], s: f64) -> f64 {
         let t = v.to_f64() * inv;
         a + t * t
     })
+}
+
+/// XOR of all bit patterns, read on all threads: an upper reference for how fast memory can be
+/// streamed (the benchmarks report our kernels as a fraction of it).
+pub fn stream_read(x: &[f32]) -> u32 {
+    use rayon::prelude::*;
+    #[inline(always)]
+    fn fold(c: &[f32]) -> u32 {
+        let mut acc = [0u32; 16];
+        for v in c.chunks_exact(16) {
+            for l in 0..16 {
+                acc[l] ^= v[l].to_bits();
+            }
+        }
+        acc.iter().fold(0, |a, b| a ^ b)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn fold_avx2(c: &[f32]) -> u32 {
+        fold(c)
+    }
+    x.par_chunks(1 << 16)
+        .map(|c| {
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: the CPU supports AVX2 (checked above).
+                return unsafe { fold_avx2(c) };
+            }
+            fold(c)
+        })
+        .reduce(|| 0, |a, b| a ^ b)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ pub mod noise;
 pub mod records;
 pub mod rng;
 pub mod sampling;
+pub mod ziggurat;
 
 #[cfg(feature = "python")]
 mod bindings;

@@ -5,15 +5,40 @@
 //! reads its own ChaCha20 stream (see `rng`), so the bits depend on the key alone and not on the
 //! number of threads.
 //!
+//! Samplers: float64 outputs use rand_distr's 64-bit ziggurat; float32 outputs use the 32-bit
+//! ziggurat of `ziggurat.rs` (half the ChaCha20 output per sample, with 24 bits of magnitude,
+//! as many as a float32 significand holds).
+//!
 //! Floating-point caveat (Mironov 2012): a Gaussian sampled in floating point is not exactly the
-//! continuous distribution the accountant assumes. dpcore samples in f64 with a ziggurat and
-//! states its guarantee for the continuous mechanism, as TF Privacy and Opacus do.
+//! continuous distribution the accountant assumes. dpcore states its guarantee for the
+//! continuous mechanism, as TF Privacy and Opacus do.
 
 use crate::error::{DpError, DpResult};
 use crate::records::Elem;
+use crate::ziggurat;
 use crate::rng::{chunk_rng, stream_id, Domain, Key};
 use rand_distr::{Distribution, StandardNormal};
+use rand_chacha::ChaCha20Rng;
 use rayon::prelude::*;
+
+/// Element types that noise can be generated for, each with the sampler that suits its precision.
+pub trait NoiseElem: Elem {
+    fn standard_normal(rng: &mut ChaCha20Rng) -> f64;
+}
+
+impl NoiseElem for f32 {
+    #[inline(always)]
+    fn standard_normal(rng: &mut ChaCha20Rng) -> f64 {
+        ziggurat::standard_normal(rng)
+    }
+}
+
+impl NoiseElem for f64 {
+    #[inline(always)]
+    fn standard_normal(rng: &mut ChaCha20Rng) -> f64 {
+        StandardNormal.sample(rng)
+    }
+}
 
 /// Values per independent ChaCha20 stream. Part of the output's definition: changing it changes
 /// the noise a given seed produces.
@@ -28,7 +53,7 @@ pub fn check_stddev(stddev: f64) -> DpResult<()> {
 
 /// Writes `out[j] = map(j, σ·ξ_j)` for one chunk, ξ standard normal from `rng`'s stream.
 #[inline]
-fn fill_chunk<T: Elem, F: Fn(usize, f64) -> f64>(key: &Key, stream: u64, stddev: f64, out: &mut [T], map: F) {
+fn fill_chunk<T: NoiseElem, F: Fn(usize, f64) -> f64>(key: &Key, stream: u64, stddev: f64, out: &mut [T], map: F) {
     if stddev == 0.0 {
         for (j, o) in out.iter_mut().enumerate() {
             *o = T::from_f64(map(j, 0.0));
@@ -37,13 +62,13 @@ fn fill_chunk<T: Elem, F: Fn(usize, f64) -> f64>(key: &Key, stream: u64, stddev:
     }
     let mut rng = chunk_rng(key, stream);
     for (j, o) in out.iter_mut().enumerate() {
-        let z: f64 = StandardNormal.sample(&mut rng);
+        let z = T::standard_normal(&mut rng);
         *o = T::from_f64(map(j, stddev * z));
     }
 }
 
 /// `n` independent N(0, stddev²) values of type T, computed in f64 and rounded once.
-pub fn gaussian<T: Elem>(n: usize, stddev: f64, key: &Key) -> DpResult<Vec<T>> {
+pub fn gaussian<T: NoiseElem>(n: usize, stddev: f64, key: &Key) -> DpResult<Vec<T>> {
     check_stddev(stddev)?;
     let mut out = vec![T::from_f64(0.0); n];
     out.par_chunks_mut(NOISE_CHUNK).enumerate().for_each(|(c, chunk)| {
@@ -54,7 +79,7 @@ pub fn gaussian<T: Elem>(n: usize, stddev: f64, key: &Key) -> DpResult<Vec<T>> {
 
 /// The last step of the Gaussian sum mechanism for one part: `out = (sum + N(0, σ²)) / denom`,
 /// rounded once from f64 to T. `part` selects the streams, so parts never share noise.
-pub fn noised_part<T: Elem>(sum: &[f64], stddev: f64, denominator: f64, key: &Key, part: usize) -> Vec<T> {
+pub fn noised_part<T: NoiseElem>(sum: &[f64], stddev: f64, denominator: f64, key: &Key, part: usize) -> Vec<T> {
     let mut out = vec![T::from_f64(0.0); sum.len()];
     let work = |(c, (o, s)): (usize, (&mut [T], &[f64]))| {
         fill_chunk(key, stream_id(Domain::Noise, part, c), stddev, o, |j, e| (s[j] + e) / denominator);

@@ -143,10 +143,9 @@ fn gaussian_flat(py: Python<'_>, n: usize, stddev: f64, double: bool, seed: Opti
 /// Reads every byte of a float32 array on all threads: the streaming-read bandwidth that the
 /// benchmarks compare against. Not part of the public API.
 #[pyfunction]
-fn _stream_read(py: Python<'_>, a: PyReadonlyArrayDyn<'_, f32>) -> PyResult<f64> {
-    use rayon::prelude::*;
+fn _stream_read(py: Python<'_>, a: PyReadonlyArrayDyn<'_, f32>) -> PyResult<u32> {
     let x = a.as_slice().map_err(|_| PyValueError::new_err("array must be C-contiguous"))?;
-    py.detach(|| Ok(x.par_chunks(1 << 16).map(|c| c.iter().map(|v| *v as f64).sum::<f64>()).sum()))
+    py.detach(|| Ok(crate::kernels::stream_read(x)))
 }
 
 /// Sorted indices of a Poisson sample (uint64).
