@@ -1,4 +1,4 @@
-//! Inner loops over contiguous slices, with runtime dispatch to AVX2 on x86-64.
+//! Inner loops over contiguous slices, with runtime dispatch to AVX-512 or AVX2 on x86-64.
 //!
 //! Every kernel performs the same sequence of IEEE operations whatever the instruction set (no
 //! fused multiply-add, fixed lane structure), so results are bit-identical across the dispatched
@@ -74,63 +74,83 @@ fn all_finite_generic<T: Elem>(x: &[T]) -> bool {
     ok
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::*;
-    #[target_feature(enable = "avx512f")]
-    pub fn sumsq<T: Elem>(x: &[T]) -> f64 {
-        sumsq_generic(x)
-    }
-    #[target_feature(enable = "avx512f")]
-    pub fn axpy_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
-        axpy_rows_generic(acc, rows)
-    }
-    #[target_feature(enable = "avx512f")]
-    pub fn all_finite<T: Elem>(x: &[T]) -> bool {
-        all_finite_generic(x)
-    }
+/// The generic kernels compiled again with wider vector instructions enabled. Same source, same
+/// IEEE operation order, hence the same bits.
+macro_rules! simd_tier {
+    ($name:ident, $feat:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $name {
+            use super::*;
+            #[target_feature(enable = $feat)]
+            pub fn sumsq<T: Elem>(x: &[T]) -> f64 {
+                sumsq_generic(x)
+            }
+            #[target_feature(enable = $feat)]
+            pub fn axpy_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
+                axpy_rows_generic(acc, rows)
+            }
+            #[target_feature(enable = $feat)]
+            pub fn all_finite<T: Elem>(x: &[T]) -> bool {
+                all_finite_generic(x)
+            }
+            #[target_feature(enable = $feat)]
+            pub fn xor_fold(x: &[f32]) -> u32 {
+                xor_fold_generic(x)
+            }
+        }
+    };
+}
+simd_tier!(avx512, "avx512f");
+simd_tier!(avx2, "avx2");
+
+#[derive(Clone, Copy, PartialEq)]
+enum Tier {
+    Avx512,
+    Avx2,
+    Baseline,
 }
 
 #[inline(always)]
-fn has_avx2() -> bool {
+fn tier() -> Tier {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Tier::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Tier::Avx2;
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Tier::Baseline
+}
+
+/// Calls the widest compiled tier of kernel `$f` that this CPU supports.
+macro_rules! dispatch {
+    ($f:ident, $generic:ident ($($arg:expr),*)) => {{
+        match tier() {
+            // SAFETY: tier() checked that the CPU supports the tier's instructions.
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 => unsafe { avx512::$f($($arg),*) },
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 => unsafe { avx2::$f($($arg),*) },
+            _ => $generic($($arg),*),
+        }
+    }};
 }
 
 /// Σ x_j², accumulated in f64 over eight fixed lanes.
 pub fn sumsq<T: Elem>(x: &[T]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 (checked above).
-        return unsafe { avx2::sumsq(x) };
-    }
-    sumsq_generic(x)
+    dispatch!(sumsq, sumsq_generic(x))
 }
 
 /// acc += Σ_r f_r x_r, rows in order. Each row must be at least `acc.len()` long.
 pub fn axpy_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 (checked above).
-        return unsafe { avx2::axpy_rows(acc, rows) };
-    }
-    axpy_rows_generic(acc, rows)
+    dispatch!(axpy_rows, axpy_rows_generic(acc, rows))
 }
 
 /// True when no value is NaN or ±∞.
 pub fn all_finite<T: Elem>(x: &[T]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 (checked above).
-        return unsafe { avx2::all_finite(x) };
-    }
-    all_finite_generic(x)
+    dispatch!(all_finite, all_finite_generic(x))
 }
 
 /// max_j |x_j| in f64 (NaN-free input assumed).
@@ -147,35 +167,24 @@ pub fn sumsq_scaled<T: Elem>(x: &[T], s: f64) -> f64 {
     })
 }
 
-/// XOR of all bit patterns, read on all threads: an upper reference for how fast memory can be
-/// streamed (the benchmarks report our kernels as a fraction of it).
+#[inline(always)]
+fn xor_fold_generic(x: &[f32]) -> u32 {
+    let mut acc = [0u32; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for v in chunks {
+        for l in 0..16 {
+            acc[l] ^= v[l].to_bits();
+        }
+    }
+    rem.iter().fold(acc.iter().fold(0, |a, b| a ^ b), |a, v| a ^ v.to_bits())
+}
+
+/// XOR of all bit patterns, read on all threads: a reference for how fast this machine streams
+/// memory (the benchmarks report our kernels as a fraction of it).
 pub fn stream_read(x: &[f32]) -> u32 {
     use rayon::prelude::*;
-    #[inline(always)]
-    fn fold(c: &[f32]) -> u32 {
-        let mut acc = [0u32; 16];
-        for v in c.chunks_exact(16) {
-            for l in 0..16 {
-                acc[l] ^= v[l].to_bits();
-            }
-        }
-        acc.iter().fold(0, |a, b| a ^ b)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    fn fold_avx2(c: &[f32]) -> u32 {
-        fold(c)
-    }
-    x.par_chunks(1 << 16)
-        .map(|c| {
-            #[cfg(target_arch = "x86_64")]
-            if has_avx2() {
-                // SAFETY: the CPU supports AVX2 (checked above).
-                return unsafe { fold_avx2(c) };
-            }
-            fold(c)
-        })
-        .reduce(|| 0, |a, b| a ^ b)
+    x.par_chunks(1 << 16).map(|c| dispatch!(xor_fold, xor_fold_generic(c))).reduce(|| 0, |a, b| a ^ b)
 }
 
 #[cfg(test)]
@@ -188,6 +197,11 @@ mod tests {
         let r: f64 = x.iter().map(|v| (*v as f64) * (*v as f64)).sum();
         assert!((sumsq(&x) - r).abs() <= 1e-12 * r);
         assert_eq!(sumsq(&x), sumsq_generic(&x), "dispatch must not change bits");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 checked just above.
+            assert_eq!(unsafe { avx2::sumsq(&x) }, sumsq_generic(&x));
+        }
     }
 
     #[test]

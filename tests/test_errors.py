@@ -1,0 +1,121 @@
+"""Bad input: a clear Python exception, nothing computed, never a panic or an abort."""
+
+import numpy as np
+import pytest
+
+import dpcore
+
+GOOD = np.ones((3, 4), np.float32)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_non_finite_record_names_first_bad_index(bad, dt):
+    x = np.ones((400, 5000), dt)
+    x[123, 17] = bad
+    x[300, 0] = np.nan
+    for call in (
+        lambda: dpcore.clip_noise(x, 1.0, 1.0),
+        lambda: dpcore.clip_sum([np.ones((400, 2)), x], 1.0),
+        lambda: dpcore.record_norms(x),
+    ):
+        with pytest.raises(ValueError, match=r"record 123\b"):
+            call()
+
+
+def test_non_finite_in_second_array_of_a_list():
+    a, b = np.ones((5, 3)), np.ones((5, 2), np.float32)
+    b[2, 1] = np.inf
+    with pytest.raises(ValueError, match="record 2"):
+        dpcore.clip_noise([a, b], 1.0, 1.0)
+
+
+def test_mismatched_batch_sizes():
+    with pytest.raises(ValueError, match="records"):
+        dpcore.clip_noise([np.ones((3, 2)), np.ones((4, 2))], 1.0, 1.0)
+
+
+@pytest.mark.parametrize("dt", [np.int32, np.int64, np.bool_, np.complex64, np.complex128, np.float16, object])
+def test_non_float_dtypes_are_type_errors(dt):
+    x = np.ones((3, 2), dtype=dt)
+    for call in (
+        lambda: dpcore.clip_noise(x, 1.0, 1.0),
+        lambda: dpcore.clip_sum([GOOD, x], 1.0),
+        lambda: dpcore.record_norms(x),
+    ):
+        with pytest.raises(TypeError):
+            call()
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0, np.nan, np.inf, -np.inf])
+def test_bad_clip(clip):
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        dpcore.clip_noise(GOOD, clip, 1.0)
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        dpcore.clip_sum(GOOD, clip)
+
+
+@pytest.mark.parametrize("z", [-1e-9, np.nan, np.inf])
+def test_bad_noise_multiplier(z):
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        dpcore.clip_noise(GOOD, 1.0, z)
+
+
+@pytest.mark.parametrize("d", [0.0, -2.0, np.nan, np.inf])
+def test_bad_denominator(d):
+    with pytest.raises(ValueError, match="denominator"):
+        dpcore.clip_noise(GOOD, 1.0, 1.0, denominator=d)
+
+
+def test_noise_overflow_is_a_value_error():
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        dpcore.clip_noise(GOOD, 1e300, 1e300)
+
+
+@pytest.mark.parametrize(
+    "call, exc",
+    [
+        (lambda: dpcore.clip_noise(GOOD, "1", 1.0), TypeError),
+        (lambda: dpcore.clip_noise(GOOD, None, 1.0), TypeError),
+        (lambda: dpcore.clip_noise(GOOD, 1.0, 1.0, seed=-1), ValueError),
+        (lambda: dpcore.clip_noise(GOOD, 1.0, 1.0, seed=2**64), ValueError),
+        (lambda: dpcore.clip_noise(GOOD, 1.0, 1.0, seed=1.5), TypeError),
+        (lambda: dpcore.clip_noise(np.float32(3.0), 1.0, 1.0), ValueError),
+        (lambda: dpcore.clip_noise([], 1.0, 1.0), ValueError),
+        (lambda: dpcore.clip_noise([GOOD, GOOD], 1.0, 1.0, scales=[1.0]), ValueError),
+        (lambda: dpcore.clip_noise([GOOD, GOOD], 1.0, 1.0, scales=[1.0, 0.0]), ValueError),
+        (lambda: dpcore.clip_noise([GOOD, GOOD], 1.0, 1.0, scales=[1.0, np.nan]), ValueError),
+        (lambda: dpcore.clip_sum(GOOD, 1.0, dtype=np.int32), TypeError),
+        (lambda: dpcore.gaussian_noise((2, -1), 1.0), ValueError),
+        (lambda: dpcore.gaussian_noise((2, 3), -1.0), ValueError),
+        (lambda: dpcore.gaussian_noise((2, 3), np.nan), ValueError),
+        (lambda: dpcore.gaussian_noise((2, 3), 1.0, dtype=np.int32), TypeError),
+        (lambda: dpcore.gaussian_noise("abc", 1.0), TypeError),
+        (lambda: dpcore.poisson_sample(10, 1.5), ValueError),
+        (lambda: dpcore.poisson_sample(-1, 0.5), ValueError),
+        (lambda: dpcore.fixed_size_sample(3, 4), ValueError),
+    ],
+)
+def test_bad_arguments(call, exc):
+    with pytest.raises(exc):
+        call()
+
+
+def test_no_panic_reaches_python():
+    # PanicException derives from BaseException, so catching Exception would miss it: make sure
+    # every odd input surfaces as an ordinary Exception subclass.
+    odd = [
+        lambda: dpcore.clip_noise(np.ones((2, 0), np.float32), 1.0, 1.0),
+        lambda: dpcore.clip_noise(np.ones((0,), np.float64), 1.0, 1.0),
+        lambda: dpcore.clip_noise(np.ones((1, 1)) * 1e308, 1e-308, 0.0),
+        lambda: dpcore.clip_noise(np.full((1, 3), 5e-324), 1e-320, 1.0),
+        lambda: dpcore.gaussian_noise(0, 1.0),
+        lambda: dpcore.gaussian_noise((), 0.0),
+        lambda: dpcore.poisson_sample(0, 0.0),
+        lambda: dpcore.poisson_sample(2**40, 1e-12),
+    ]
+    for call in odd:
+        try:
+            call()
+        except Exception:
+            pass
