@@ -1,0 +1,19 @@
+"""The main job runs end to end and learns."""
+
+import subprocess
+import sys
+
+from dpcore import demo
+
+
+def test_demo_learns_and_reports():
+    res = demo.run(demo.DemoConfig(epochs=8))
+    assert res["accuracy_nonprivate"] > 0.9
+    assert res["accuracy_private"] > 0.8
+
+
+def test_cli_entry_point():
+    out = subprocess.run(
+        [sys.executable, "-m", "dpcore", "demo", "--epochs", "2"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "test accuracy  private:" in out and "non-private baseline:" in out
