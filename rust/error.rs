@@ -9,6 +9,8 @@ pub enum DpError {
     NonFiniteRecord { index: usize },
     /// Arrays disagree on shape, or a buffer is not the size its shape says (`ValueError`).
     Shape(String),
+    /// An output could not be allocated (`MemoryError`), instead of aborting the process.
+    OutOfMemory { bytes: u128 },
 }
 
 pub type DpResult<T> = Result<T, DpError>;
@@ -28,8 +30,19 @@ impl fmt::Display for DpError {
                 "record {index} contains a NaN or infinite value; a record must be finite to be clipped"
             ),
             DpError::Shape(m) => f.write_str(m),
+            DpError::OutOfMemory { bytes } => write!(f, "cannot allocate {bytes} bytes for the result"),
         }
     }
 }
 
 impl std::error::Error for DpError {}
+
+/// A vector of `n` copies of `v`, or `OutOfMemory` where the allocator refuses (a plain `vec!`
+/// would abort the whole Python process).
+pub fn try_filled<T: Clone>(n: usize, v: T) -> DpResult<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)
+        .map_err(|_| DpError::OutOfMemory { bytes: n as u128 * std::mem::size_of::<T>() as u128 })?;
+    out.resize(n, v);
+    Ok(out)
+}

@@ -13,7 +13,7 @@
 //! continuous distribution the accountant assumes. dpcore states its guarantee for the
 //! continuous mechanism, as TF Privacy and Opacus do.
 
-use crate::error::{DpError, DpResult};
+use crate::error::{try_filled, DpError, DpResult};
 use crate::records::Elem;
 use crate::ziggurat;
 use crate::rng::{chunk_rng, stream_id, Domain, Key};
@@ -70,7 +70,7 @@ fn fill_chunk<T: NoiseElem, F: Fn(usize, f64) -> f64>(key: &Key, stream: u64, st
 /// `n` independent N(0, stddev²) values of type T, computed in f64 and rounded once.
 pub fn gaussian<T: NoiseElem>(n: usize, stddev: f64, key: &Key) -> DpResult<Vec<T>> {
     check_stddev(stddev)?;
-    let mut out = vec![T::from_f64(0.0); n];
+    let mut out = try_filled(n, T::from_f64(0.0))?;
     out.par_chunks_mut(NOISE_CHUNK).enumerate().for_each(|(c, chunk)| {
         fill_chunk(key, stream_id(Domain::Noise, 0, c), stddev, chunk, |_, e| e);
     });
@@ -126,6 +126,12 @@ mod tests {
         let a: Vec<f64> = noised_part(&zeros, 1.0, 1.0, &key, 0);
         let b: Vec<f64> = noised_part(&zeros, 1.0, 1.0, &key, 1);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn impossible_allocation_is_an_error_not_an_abort() {
+        let key = Seed::Fixed(3).key().unwrap();
+        assert!(matches!(gaussian::<f64>(usize::MAX / 16, 1.0, &key), Err(DpError::OutOfMemory { .. })));
     }
 
     #[test]

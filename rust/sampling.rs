@@ -35,7 +35,13 @@ pub fn poisson_sample(n: u64, q: f64, seed: Seed) -> DpResult<Vec<u64>> {
     let mut rng = chunk_rng(&key, stream_id(Domain::Sampling, 0, 0));
     // Gap G ~ Geometric(q) on {0, 1, …}: P(G ≥ k) = (1−q)^k, G = ⌊ln U / ln(1−q)⌋.
     let log1mq = (-q).ln_1p();
-    let mut out = Vec::with_capacity(((n as f64) * q * 1.1 + 16.0).min(n as f64) as usize);
+    // Room for the mean plus ten standard deviations, reserved fallibly so that an impossible
+    // sample size is an error rather than an abort.
+    let expected = (n as f64) * q;
+    let room = (expected + 10.0 * expected.sqrt() + 16.0).min(n as f64);
+    let mut out: Vec<u64> = Vec::new();
+    out.try_reserve_exact(room as usize)
+        .map_err(|_| DpError::OutOfMemory { bytes: room as u128 * 8 })?;
     let mut i: u64 = 0;
     loop {
         let gap = (uniform_open0(&mut rng).ln() / log1mq).floor();

@@ -101,6 +101,13 @@ def test_bad_arguments(call, exc):
         call()
 
 
+def test_impossible_sizes_are_memory_errors_not_aborts():
+    with pytest.raises(MemoryError):
+        dpcore.gaussian_noise((2**40, 2**20), 1.0)
+    with pytest.raises(MemoryError):
+        dpcore.poisson_sample(2**62, 0.5)
+
+
 def test_no_panic_reaches_python():
     # PanicException derives from BaseException, so catching Exception would miss it: make sure
     # every odd input surfaces as an ordinary Exception subclass.

@@ -10,12 +10,15 @@ use crate::records::{Column, Part, Records};
 use crate::rng::Seed;
 use crate::{clip, sampling, DpResult};
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 fn to_py(e: DpError) -> PyErr {
-    PyValueError::new_err(e.to_string())
+    match e {
+        DpError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
+        _ => PyValueError::new_err(e.to_string()),
+    }
 }
 
 /// Runs core work without the GIL. A panic (a bug, never expected) becomes a RuntimeError
