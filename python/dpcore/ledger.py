@@ -454,9 +454,14 @@ class PrivacyLedger:
         except BaseException as e:
             try:
                 os.ftruncate(self._fd, start)
-                os.fsync(self._fd)
             except OSError as e2:
                 self._broken = f"a failed write could not be undone ({e2}); repair by reopening"
+            else:
+                # The cut is what later writes see; the next successful fsync makes it durable.
+                try:
+                    os.fsync(self._fd)
+                except OSError:
+                    pass
             raise LedgerError(f"{self._path}: could not write the ledger: {e}") from e
 
     def record_sample(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Tuple
 
@@ -130,6 +131,10 @@ def effective_noise_multiplier(privacy_tuples: Iterable[Any]) -> float:
     m = max(ratios)
     if math.isinf(m):
         return 0.0
+    if m == 0.0:
+        # Every S_g/σ̃_g underflowed: the true z exceeds 1/5e-324, so the largest float is
+        # still below it (never overstated).
+        return sys.float_info.max
     s_star = m * math.sqrt(math.fsum((r / m) ** 2 for r in ratios))
     z = 1.0 / s_star
     # fsum/sqrt/divide carry a few ulps of error; step down so that z is never overstated
