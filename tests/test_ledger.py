@@ -75,6 +75,8 @@ def test_reopen_continues_the_ledger(tmp_path):
     p = write_steps(tmp_path / "l.jsonl", 2)
     with PrivacyLedger(p) as led:
         assert len(led.samples) == 2
+        with pytest.raises(LedgerError, match="no sample recorded"):
+            led.record_release(SumQueryEvent(1.0, 1.0))  # never onto a sample of an earlier run
         assert led.record_sample(1000, 0.01) == 2
         led.record_release(SumQueryEvent(1.0, 1.0))
     assert [s.sample for s in PrivacyLedger.load(p).samples] == [0, 1, 2]

@@ -370,6 +370,9 @@ class PrivacyLedger:
             raise TypeError("path must be a str or os.PathLike[str]")
         self._fd: Optional[int] = None
         self._pending: Optional[LedgerSample] = None
+        # Whether the last sample was recorded by this object: a release never attaches to a
+        # sample from an earlier run of the ledger.
+        self._current = False
         self._broken: Optional[str] = None
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -412,6 +415,7 @@ class PrivacyLedger:
         contents = _read(p, data, strict)
         self = cls.__new__(cls)
         self._path, self._fd, self._pending, self._broken = p, None, None, "opened read-only with load()"
+        self._current = False
         self._samples, self.torn_tail, self._lines = contents.samples, contents.torn, contents.lines
         return self
 
@@ -499,8 +503,8 @@ class PrivacyLedger:
         tuples, non_private = _tuples_of(event)
         if self._pending is not None:
             sample = self._pending
-        elif self._samples:
-            sample = self._samples[-1]
+        elif self._current:
+            sample = self._samples[-1]  # a further release on this session's current sample
         else:
             raise LedgerError(
                 f"{self._path}: no sample recorded: call record_sample (or draw with a sampler given ledger=) first"
@@ -527,6 +531,7 @@ class PrivacyLedger:
         if self._pending is not None:
             self._samples.append(updated)
             self._pending = None
+            self._current = True
         else:
             self._samples[-1] = updated
         self._lines += len(entries)
