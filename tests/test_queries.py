@@ -371,6 +371,8 @@ def test_query_parameter_errors():
         JointClipQuery([], 1.0, 1.0)
     with pytest.raises(TypeError, match="scales"):
         JointClipQuery(2.0, 1.0, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="overflows"):
+        JointClipQuery([1.0, 1e300], 1.0, 1e10)
 
 
 def test_record_errors():

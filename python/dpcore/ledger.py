@@ -390,7 +390,7 @@ class PrivacyLedger:
                 contents.has_header = True
                 contents.lines = 1
             elif contents.torn is not None:
-                self._repair(contents, len(data))
+                self._repair(contents)
         except BaseException:
             self._fd = None
             os.close(fd)
@@ -421,7 +421,7 @@ class PrivacyLedger:
 
     # -- writing ------------------------------------------------------------------------
 
-    def _repair(self, contents: _Contents, size: int) -> None:
+    def _repair(self, contents: _Contents) -> None:
         torn = contents.torn
         assert torn is not None and self._fd is not None
         if torn.counted:

@@ -6,6 +6,7 @@ the group, e.g. the tensors of one layer); record i is row i of all of them, cli
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
@@ -161,6 +162,8 @@ class JointClipQuery(GaussianSumQuery):
         vals = tuple(positive(f"scales[{k}]", a) for k, a in enumerate(scales))
         if not vals:
             raise ValueError("scales is empty; give one scale per part of the group")
+        if not math.isfinite(self._stddev * max(vals)):
+            raise ValueError("stddev * max(scales) overflows: the noise of the largest part is not finite")
         self._scales = vals
         self._den = 1.0 if denominator is None else positive("denominator", denominator)
 
