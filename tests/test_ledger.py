@@ -494,5 +494,5 @@ def test_roundtrip_property(tmp_path_factory, steps):
         if s.non_private or any(t.stddev == 0 for t in exact):
             assert s.noise_multiplier() == 0.0
         else:
-            ref = 1 / math.sqrt(math.fsum((t.l2_norm_clip / t.stddev) ** 2 for t in exact))
+            ref = 1 / math.hypot(*(t.l2_norm_clip / t.stddev for t in exact))
             assert s.noise_multiplier() <= ref
