@@ -275,6 +275,7 @@ CHILD = textwrap.dedent(
     from dpcore.aggregator import PrivateAggregator
     from dpcore.queries import NestedQuery, GaussianSumQuery, CountQuery
     led = PrivacyLedger(sys.argv[1])
+    paused = sys.argv[2] == "paused"
     q = NestedQuery({"g": GaussianSumQuery(1.0, 1.0), "n": CountQuery(4.0)})
     agg = PrivateAggregator(q, led, 5000, 0.02)
     x = np.ones((5000, 64), np.float32)
@@ -283,16 +284,19 @@ CHILD = textwrap.dedent(
         idx = agg.sample()
         agg.aggregate({"g": x[idx], "n": np.ones(len(idx))})
         print(step, flush=True)   # this step's noised result has been returned
+        if paused:
+            sys.stdin.readline()  # wait: the parent kills right after a release
         step += 1
     """
 )
 
 
-@pytest.mark.parametrize("kill_after", [1, 7, 40])
-def test_sigkill_mid_run_loses_no_released_step(tmp_path, kill_after):
+@pytest.mark.parametrize("kill_after, mode", [(1, "paused"), (5, "paused"), (1, "running"), (7, "running"), (40, "running")])
+def test_sigkill_mid_run_loses_no_released_step(tmp_path, kill_after, mode):
     p = tmp_path / "l.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD, str(p), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     released = []
     try:
@@ -301,6 +305,9 @@ def test_sigkill_mid_run_loses_no_released_step(tmp_path, kill_after):
             if len(released) >= kill_after:
                 proc.kill()  # SIGKILL, at whatever point the child has reached
                 break
+            if mode == "paused":
+                proc.stdin.write("go\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
     finally:
         proc.kill()
         proc.wait()
@@ -313,6 +320,8 @@ def test_sigkill_mid_run_loses_no_released_step(tmp_path, kill_after):
         s = led.samples[step]
         assert s.queries == (SumQueryEvent(1.0, 1.0), SumQueryEvent(1.0, 4.0)), step
     assert led.num_releases >= len(released)
+    if mode == "paused":
+        assert led.num_releases == len(released)  # killed between steps: exactly the released ones
 
 
 # ----------------------------------------------------------------------------- to_event (fake accountant)
