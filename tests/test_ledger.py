@@ -13,7 +13,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Tuple
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -283,10 +283,10 @@ def test_adaptive_clip_tracks_the_quantile():
     norms_scale = 4.0
     q = QuantileAdaptiveClipQuery(0.1, 1.0, 0.5, 0.3, 10.0, 200.0)
     gs = q.initial_global_state()
-    for _ in range(200):
+    for t in range(200):
         x = rng.standard_normal((200, 16)) * norms_scale / 4.0
         _, gs, _ = q.get_noised_result(
-            q.accumulate_records(q.derive_sample_params(gs), q.initial_sample_state(x[0]), x), gs
+            q.accumulate_records(q.derive_sample_params(gs), q.initial_sample_state(x[0]), x), gs, seed=t
         )
     median = np.median(np.linalg.norm(rng.standard_normal((100_000, 16)), axis=1)) * norms_scale / 4.0
     assert gs.l2_norm_clip == pytest.approx(median, rel=0.25)

@@ -29,7 +29,6 @@ Every value is validated before anything is written; on bad input nothing is wri
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import os
 import warnings
