@@ -398,6 +398,37 @@ def test_to_event_structure(tmp_path, fake_accounting):
     assert nonpriv == SelfComposedEvent(NonPrivateEvent(), 2)
 
 
+def test_replace_one_halves_z(tmp_path, fake_accounting):
+    p = write_steps(tmp_path / "l.jsonl", 2, policy="fixed_size_without_replacement")
+    led = PrivacyLedger.load(p)
+    z = led.samples[0].noise_multiplier()
+    (a,) = led.to_event().events
+    (r,) = led.to_event("replace_one").events
+    assert a.event.event.noise_multiplier == z
+    assert r.event.event.noise_multiplier == z / 2  # replacing moves a sum by 2·S_g
+    with pytest.raises(ValueError, match="neighboring"):
+        led.to_event("bounded")
+
+
+def test_get_epsilon_refuses_a_relation_the_policies_do_not_support(tmp_path):
+    fixed = PrivacyLedger.load(write_steps(tmp_path / "f.jsonl", 1, policy="fixed_size_without_replacement"))
+    with pytest.raises(ValueError, match="only under neighboring='replace_one'"):
+        fixed.get_epsilon(1e-5)
+    poisson = PrivacyLedger.load(write_steps(tmp_path / "p.jsonl", 1))
+    with pytest.raises(ValueError, match="only under neighboring='add_or_remove'"):
+        poisson.get_epsilon(1e-5, neighboring="replace_one")
+    with pytest.raises(ValueError, match="neighboring"):
+        poisson.get_epsilon(1e-5, neighboring="bounded")
+    p = tmp_path / "mixed.jsonl"
+    with PrivacyLedger(p) as led:
+        led.record_sample(100, 0.1)
+        led.record_release(SumQueryEvent(1.0, 1.0))
+        led.record_sample(100, None, "fixed_size_without_replacement", sample_size=10)
+        led.record_release(SumQueryEvent(1.0, 1.0))
+    with pytest.raises(ValueError, match="cannot be accounted as one"):
+        PrivacyLedger.load(p).get_epsilon(1e-5)
+
+
 def test_shuffle_is_never_amplified(tmp_path, fake_accounting):
     p = write_steps(tmp_path / "l.jsonl", 4, policy="shuffle")
     with pytest.warns(LedgerWarning, match="without sampling amplification"):
@@ -434,6 +465,16 @@ def test_ledger_replay_equals_direct_accounting(tmp_path):
     assert eps == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
     assert eps >= direct.get_epsilon(1e-5) * (1 - 1e-12)  # z rounded down: never a smaller ε
     assert math.isfinite(eps) and eps > 0
+
+
+def test_fixed_size_replay_equals_direct_accounting(tmp_path):
+    acc = pytest.importorskip("dpcore.accounting")
+    p = write_steps(tmp_path / "l.jsonl", 20, policy="fixed_size_without_replacement")
+    z = (1 / 1.1**2 + 1 / 6.0**2) ** -0.5
+    direct = acc.RdpAccountant(neighboring="replace_one")
+    direct.compose(acc.SampledWithoutReplacementEvent(1000, 10, acc.GaussianEvent(z / 2)), 20)
+    eps = PrivacyLedger.load(p).get_epsilon(1e-5, neighboring="replace_one")
+    assert eps == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
 
 
 def test_shuffle_epsilon_is_unamplified(tmp_path):

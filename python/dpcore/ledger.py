@@ -572,25 +572,35 @@ class PrivacyLedger:
     def __repr__(self) -> str:
         return f"PrivacyLedger({self._path!r}, samples={len(self._samples)})"
 
-    def to_event(self) -> Any:
+    def to_event(self, neighboring: str = "add_or_remove") -> Any:
         """The whole ledger as one accountant event (``dpcore.accounting``), McMahan et al. §6.
 
-        Each sample with releases becomes one Gaussian event with the noise multiplier of
+        Each sample with releases becomes one Gaussian event whose noise multiplier comes from
         Eq. (1) over its sum queries, wrapped by its sampling policy: Poisson →
         ``PoissonSampledEvent(q, ·)``; fixed size → ``SampledWithoutReplacementEvent(n, b, ·)``;
         shuffle → the bare ``GaussianEvent`` (no amplification: a shuffled epoch is not a random
-        sample, and no tight analysis exists, §5) with a :class:`LedgerWarning`. A sample with a
+        sample and has no tight analysis, §5), with a :class:`LedgerWarning`. A sample with a
         non-private release becomes ``NonPrivateEvent`` (ε = ∞). Runs of equal events are
         composed with ``SelfComposedEvent``.
+
+        ``neighboring`` fixes what the noise multiplier is relative to. The recorded S_g bound one
+        record's contribution, which is the sensitivity under ``"add_or_remove"``: z = 1/S*
+        (Eq. (1)). Replacing a record moves each group's sum by up to 2·S_g, so under
+        ``"replace_one"`` z = 1/(2·S*) (exact: a halving). For microbatches recorded with the
+        doubled bound 2C this double-counts under replace-one (the survey's footnote 27 gives 2C
+        there too): the ε is then an upper bound, not tight.
         """
         from . import accounting as acc
 
+        if neighboring not in ("add_or_remove", "replace_one"):
+            raise ValueError(f"neighboring must be 'add_or_remove' or 'replace_one', got {neighboring!r}")
+        scale = 1.0 if neighboring == "add_or_remove" else 0.5
         events: List[Any] = []
         shuffled = seeded = 0
         for s in self._samples:
             if not s.released:
                 continue
-            z = s.noise_multiplier()
+            z = s.noise_multiplier() * scale
             if z == 0.0:
                 ev: Any = acc.NonPrivateEvent()
             elif s.policy == POISSON:
@@ -634,15 +644,32 @@ class PrivacyLedger:
     ) -> float:
         """ε such that everything released under this ledger is (ε, δ)-DP (an upper bound).
 
-        ``accountant="rdp"`` uses :class:`dpcore.accounting.RdpAccountant`. Fixed-size samples
-        without replacement are analysed there under ``neighboring="replace_one"``.
+        ``accountant="rdp"``: :class:`dpcore.accounting.RdpAccountant` over :meth:`to_event`.
+        The RDP analyses exist for Poisson samples under ``neighboring="add_or_remove"`` and for
+        fixed-size samples without replacement under ``"replace_one"``; a ledger is accounted
+        under one relation, so it must not mix those two policies.
         """
         if accountant != "rdp":
             raise ValueError(f"accountant must be 'rdp', got {accountant!r}")
+        if neighboring not in ("add_or_remove", "replace_one"):
+            raise ValueError(f"neighboring must be 'add_or_remove' or 'replace_one', got {neighboring!r}")
+        policies = {s.policy for s in self._samples if s.released and s.noise_multiplier() > 0}
+        if neighboring == "add_or_remove" and FIXED_SIZE in policies:
+            raise ValueError(
+                f"{self._path}: the ledger holds fixed_size_without_replacement samples, which the RDP "
+                "accountant analyses only under neighboring='replace_one'"
+                + ("; it also holds poisson samples (add_or_remove only), so it cannot be accounted as one"
+                   if POISSON in policies else "")
+            )
+        if neighboring == "replace_one" and POISSON in policies:
+            raise ValueError(
+                f"{self._path}: the ledger holds poisson samples, which the RDP accountant analyses only "
+                "under neighboring='add_or_remove'"
+            )
         from .accounting import RdpAccountant
 
         acct = RdpAccountant(orders=orders, neighboring=neighboring)
-        acct.compose(self.to_event())
+        acct.compose(self.to_event(neighboring))
         return acct.get_epsilon(delta)
 
 
