@@ -1,0 +1,167 @@
+"""PrivateAggregator: the three concerns of McMahan et al. 2018 wired together (§1, §6).
+
+Training code (a) calls :meth:`PrivateAggregator.sample` for the indices of the next sample and
+:meth:`PrivateAggregator.aggregate` with those records' per-record arrays; the query (b) clips
+and noises them; the ledger records the sampling event and the released sum queries and makes
+them durable *before* the noised result is returned, so that the accountant (c) can never miss a
+released step, even after a crash.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, List, Optional
+
+import numpy as np
+
+from .ledger import FIXED_SIZE, POISSON, PrivacyLedger
+from .queries.base import DPQuery
+from .sampling import fixed_size_sample, poisson_sample
+
+__all__ = ["PrivateAggregator", "RecordSpec"]
+
+
+class RecordSpec:
+    """Shape and dtype of one record's array (a template for ``initial_sample_state``)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: Any, dtype: Any) -> None:
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    def __repr__(self) -> str:
+        return f"RecordSpec({self.shape}, {self.dtype})"
+
+
+def _arrays(nest: Any, out: List[np.ndarray]) -> Any:
+    """The template of a batch nest, collecting its arrays into ``out``."""
+    if isinstance(nest, dict):
+        return {k: _arrays(v, out) for k, v in nest.items()}
+    if isinstance(nest, (list, tuple)):
+        t = [_arrays(v, out) for v in nest]
+        return tuple(t) if isinstance(nest, tuple) else t
+    a = nest if isinstance(nest, np.ndarray) else np.asarray(nest)
+    if a.ndim == 0:
+        raise ValueError("records need a leading record axis, got a 0-d array")
+    out.append(a)
+    return RecordSpec(a.shape[1:], a.dtype)
+
+
+class PrivateAggregator:
+    """Samples records, privatizes their aggregate with a query, and ledgers every release.
+
+    * ``query``: any :class:`dpcore.queries.DPQuery` (a :class:`NestedQuery` for several groups).
+    * ``ledger``: a :class:`dpcore.ledger.PrivacyLedger` open for writing.
+    * ``population_size``: n, the number of records (examples, users) sampled from.
+    * ``sampling_probability``: q for ``policy="poisson"`` (the default; the sampling the
+      subsampled-Gaussian accountant assumes, §5). For ``policy="fixed_size_without_replacement"``
+      give ``sample_size`` = b instead.
+
+    ``sample()`` draws the indices from ChaCha20 and records the sampling event; ``aggregate``
+    takes the records of exactly those indices (leading axis = sample size), runs the query's
+    lifecycle, writes the release to the ledger (fsync) and only then returns the noised result.
+    ``seed`` arguments are for tests only and void the privacy guarantee.
+    """
+
+    def __init__(
+        self,
+        query: DPQuery,
+        ledger: PrivacyLedger,
+        population_size: int,
+        sampling_probability: Optional[float] = None,
+        *,
+        sample_size: Optional[int] = None,
+        policy: str = POISSON,
+    ) -> None:
+        if not isinstance(query, DPQuery):
+            raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
+        if not isinstance(ledger, PrivacyLedger):
+            raise TypeError(f"ledger must be a dpcore.ledger.PrivacyLedger, got {type(ledger).__name__}")
+        if isinstance(population_size, bool) or not isinstance(population_size, numbers.Integral):
+            raise TypeError(f"population_size must be an int, got {type(population_size).__name__}")
+        if population_size < 1:
+            raise ValueError(f"population_size must be >= 1, got {population_size}")
+        if policy == POISSON:
+            if sampling_probability is None:
+                raise ValueError("policy 'poisson' needs sampling_probability")
+            if sample_size is not None:
+                raise ValueError("sample_size is for policy 'fixed_size_without_replacement'; poisson samples vary in size")
+            if isinstance(sampling_probability, bool) or not isinstance(sampling_probability, numbers.Real):
+                raise TypeError(f"sampling_probability must be a real number, got {type(sampling_probability).__name__}")
+            if not 0.0 <= float(sampling_probability) <= 1.0:
+                raise ValueError(f"sampling_probability must be in [0, 1], got {sampling_probability}")
+        elif policy == FIXED_SIZE:
+            if sample_size is None:
+                raise ValueError("policy 'fixed_size_without_replacement' needs sample_size")
+            if isinstance(sample_size, bool) or not isinstance(sample_size, numbers.Integral):
+                raise TypeError(f"sample_size must be an int, got {type(sample_size).__name__}")
+            if not 0 <= sample_size <= population_size:
+                raise ValueError(f"sample_size must be in [0, population_size={population_size}], got {sample_size}")
+            if sampling_probability is not None and float(sampling_probability) != sample_size / population_size:
+                raise ValueError("sampling_probability must be None or sample_size/population_size")
+        else:
+            raise ValueError(
+                f"policy must be 'poisson' or 'fixed_size_without_replacement', got {policy!r} "
+                "(for shuffled epochs record samples with PrivacyLedger.record_sample(..., policy='shuffle'))"
+            )
+        self._query = query
+        self._ledger = ledger
+        self._n = int(population_size)
+        self._q = None if sampling_probability is None else float(sampling_probability)
+        self._b = None if sample_size is None else int(sample_size)
+        self._policy = policy
+        self._global_state = query.initial_global_state()
+        self._open: Optional[int] = None  # size of the drawn, not yet aggregated sample
+
+    @property
+    def query(self) -> DPQuery:
+        return self._query
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self._ledger
+
+    @property
+    def global_state(self) -> Any:
+        return self._global_state
+
+    def metrics(self) -> dict:
+        """The query's metrics of the current global state (e.g. an adaptive clip norm)."""
+        return self._query.derive_metrics(self._global_state)
+
+    def sample(self, *, seed: Optional[int] = None) -> np.ndarray:
+        """Sorted int64 indices of the next sample; records its sampling event in the ledger."""
+        if self._policy == POISSON:
+            idx = poisson_sample(self._n, self._q, seed=seed, ledger=self._ledger)  # type: ignore[arg-type]
+        else:
+            idx = fixed_size_sample(self._n, self._b, seed=seed, ledger=self._ledger)  # type: ignore[arg-type]
+        self._open = int(idx.shape[0])
+        return idx
+
+    def aggregate(self, records: Any, *, seed: Optional[int] = None) -> Any:
+        """The query's noised aggregate of the sample's records; durable in the ledger on return.
+
+        ``records`` has the structure the query expects, every array with a leading axis equal
+        to the size of the sample that :meth:`sample` just returned. Raises before anything is
+        released if no sample is open or the sizes differ.
+        """
+        if self._open is None:
+            raise RuntimeError("call sample() before aggregate(): every release must belong to a recorded sample")
+        arrays: List[np.ndarray] = []
+        template = _arrays(records, arrays)
+        for k, a in enumerate(arrays):
+            if a.shape[0] != self._open:
+                raise ValueError(
+                    f"records array {k} has {a.shape[0]} records but the sample has {self._open}: "
+                    "pass the records at the indices sample() returned"
+                )
+        q, gs = self._query, self._global_state
+        params = q.derive_sample_params(gs)
+        state = q.initial_sample_state(template)
+        state = q.accumulate_records(params, state, records)
+        result, new_gs, event = q.get_noised_result(state, gs, seed=seed)
+        self._ledger.record_release(event)  # durable before the result leaves this function
+        self._global_state = new_gs
+        self._open = None
+        return result

@@ -1,0 +1,172 @@
+"""Adaptive clipping to a private quantile of the record norms (Andrew et al. 2021,
+"Differentially Private Learning with Adaptive Clipping", arXiv:1905.03871).
+
+Each sample releases two Gaussian sum queries on the same records:
+
+* the clipped sum with bound C_t and noise σ_Δ = z_Δ·C_t (the gradients);
+* the sum of the centred indicators b_i − ½, b_i = 1[‖x_i‖ ≤ C_t], with bound ½ and noise σ_b
+  (Andrew et al., Algorithm 1 and §3.1: centring halves the sensitivity of the count).
+
+Then the clip follows the geometric update C_{t+1} = C_t · exp(−η (b̃_t − γ)) with b̃_t the
+private unclipped fraction and γ the target quantile (Andrew et al., Eq. (2) and Algorithm 1).
+Given the target noise multiplier z for the whole release, the gradient noise uses
+z_Δ = (z^{−2} − (2σ_b)^{−2})^{−1/2} (Andrew et al., Theorem 1), so that by Eq. (1) of McMahan et
+al. 2018 the two queries together have noise multiplier exactly z. Both are in the event, so
+the ledger accounts the quantile estimate as well.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from ..mechanism import gaussian_noise
+from .base import DPQuery, SumState, derive_seed, nonnegative, positive
+from .events import ComposedQueryEvent, SumQueryEvent
+from .gaussian import GaussianSumQuery
+
+__all__ = ["QuantileAdaptiveClipQuery", "AdaptiveClipGlobalState", "AdaptiveClipSampleState"]
+
+# The clip norm stays inside this range whatever the updates (the core needs a finite C > 0).
+_CLIP_MIN, _CLIP_MAX = 1e-30, 1e30
+
+
+@dataclass(frozen=True)
+class AdaptiveClipGlobalState:
+    l2_norm_clip: float
+    noise_multiplier: float
+    #: The last private estimate of the unclipped fraction (None before the first release).
+    unclipped_fraction: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class AdaptiveClipSampleState:
+    sums: SumState
+    #: Σ_i (b_i − ½) over the accumulated records (float64; private only once noised).
+    centred_unclipped: float
+    l2_norm_clip: Optional[float]
+
+
+class QuantileAdaptiveClipQuery(DPQuery):
+    """Gaussian sum (or average) query whose clip norm tracks a quantile of the record norms.
+
+    Parameters (Andrew et al. 2021, Algorithm 1):
+
+    * ``initial_l2_norm_clip``: C_0;
+    * ``noise_multiplier``: z, the target noise multiplier of the whole release (Eq. (1));
+    * ``target_unclipped_quantile``: γ ∈ [0, 1], the fraction of records that should be unclipped;
+    * ``learning_rate``: η ≥ 0 of the geometric update;
+    * ``clipped_count_stddev``: σ_b, noise on the count of unclipped records; needs 2σ_b > z
+      (Andrew et al. suggest σ_b ≈ expected_num_records/20);
+    * ``expected_num_records``: the expected sample size q·n, which turns the noised count into a
+      fraction;
+    * ``denominator``: divide the result by it (e.g. q·n) for the fixed-denominator average.
+    """
+
+    def __init__(
+        self,
+        initial_l2_norm_clip: float,
+        noise_multiplier: float,
+        target_unclipped_quantile: float,
+        learning_rate: float,
+        clipped_count_stddev: float,
+        expected_num_records: float,
+        *,
+        denominator: Optional[float] = None,
+    ) -> None:
+        self._c0 = positive("initial_l2_norm_clip", initial_l2_norm_clip)
+        if not _CLIP_MIN <= self._c0 <= _CLIP_MAX:
+            raise ValueError(f"initial_l2_norm_clip must be in [{_CLIP_MIN}, {_CLIP_MAX}], got {self._c0}")
+        self._z = nonnegative("noise_multiplier", noise_multiplier)
+        self._gamma = nonnegative("target_unclipped_quantile", target_unclipped_quantile)
+        if self._gamma > 1:
+            raise ValueError(f"target_unclipped_quantile must be in [0, 1], got {self._gamma}")
+        self._eta = nonnegative("learning_rate", learning_rate)
+        self._sigma_b = nonnegative("clipped_count_stddev", clipped_count_stddev)
+        self._expected = positive("expected_num_records", expected_num_records)
+        self._den = 1.0 if denominator is None else positive("denominator", denominator)
+        if self._z == 0:
+            self._z_delta = 0.0
+        else:
+            if not 2 * self._sigma_b > self._z:
+                raise ValueError(
+                    f"clipped_count_stddev must be > noise_multiplier/2 = {self._z / 2} (Andrew et al. 2021, "
+                    f"Theorem 1: the count's noise alone must not exceed the privacy budget), got {self._sigma_b}"
+                )
+            inv = self._z**-2 - (2 * self._sigma_b) ** -2
+            self._z_delta = inv**-0.5
+            if not math.isfinite(self._z_delta):
+                raise ValueError("noise_multiplier and clipped_count_stddev leave no finite noise for the sum")
+        # The clip used on the records comes from the sample params; the noise from the global state.
+        self._sum = GaussianSumQuery(self._c0, self._z_delta * self._c0)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantileAdaptiveClipQuery(initial_l2_norm_clip={self._c0}, noise_multiplier={self._z}, "
+            f"target_unclipped_quantile={self._gamma}, learning_rate={self._eta}, "
+            f"clipped_count_stddev={self._sigma_b}, expected_num_records={self._expected})"
+        )
+
+    @property
+    def sum_noise_multiplier(self) -> float:
+        """z_Δ, the noise multiplier of the gradient sum alone (Andrew et al., Theorem 1)."""
+        return self._z_delta
+
+    def initial_global_state(self) -> AdaptiveClipGlobalState:
+        return AdaptiveClipGlobalState(self._c0, self._z)
+
+    def _global(self, gs: Any) -> AdaptiveClipGlobalState:
+        if not isinstance(gs, AdaptiveClipGlobalState):
+            raise TypeError(f"global_state must come from initial_global_state, got {type(gs).__name__}")
+        return gs
+
+    def _sample(self, st: Any) -> AdaptiveClipSampleState:
+        if not isinstance(st, AdaptiveClipSampleState):
+            raise TypeError(f"sample_state must come from initial_sample_state, got {type(st).__name__}")
+        return st
+
+    def derive_sample_params(self, global_state: Any) -> float:
+        return self._global(global_state).l2_norm_clip
+
+    def initial_sample_state(self, template: Any) -> AdaptiveClipSampleState:
+        return AdaptiveClipSampleState(self._sum.initial_sample_state(template), 0.0, None)
+
+    def accumulate_records(self, params: Any, sample_state: Any, records: Any) -> AdaptiveClipSampleState:
+        st = self._sample(sample_state)
+        sums, norms = self._sum.accumulate_with_norms(params, st.sums, records)
+        # The indicator uses the same C as the clipping, in one vectorised pass over the B norms.
+        centred = float(np.count_nonzero(norms <= sums.l2_norm_clip)) - 0.5 * norms.size
+        return AdaptiveClipSampleState(sums, st.centred_unclipped + centred, sums.l2_norm_clip)
+
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> AdaptiveClipSampleState:
+        a, b = self._sample(sample_state_1), self._sample(sample_state_2)
+        sums = self._sum.merge_sample_states(a.sums, b.sums)
+        return AdaptiveClipSampleState(sums, a.centred_unclipped + b.centred_unclipped, sums.l2_norm_clip)
+
+    def get_noised_result(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> Tuple[Any, AdaptiveClipGlobalState, ComposedQueryEvent]:
+        st, gs = self._sample(sample_state), self._global(global_state)
+        clip = st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip
+        stddev = self._z_delta * clip
+        sum_event = SumQueryEvent(clip, stddev)
+        count_event = SumQueryEvent(0.5, self._sigma_b)
+        result = st.sums.noised([stddev] * len(st.sums.sums), self._den, derive_seed(seed, 0))
+        noise_b = float(gaussian_noise((), self._sigma_b, dtype=np.float64, seed=derive_seed(seed, 1)))
+        fraction = (st.centred_unclipped + noise_b) / self._expected + 0.5
+        fraction = min(1.0, max(0.0, fraction))
+        new_clip = gs.l2_norm_clip * math.exp(-self._eta * (fraction - self._gamma))
+        new_clip = min(_CLIP_MAX, max(_CLIP_MIN, new_clip))
+        new_gs = AdaptiveClipGlobalState(new_clip, gs.noise_multiplier, fraction)
+        return result, new_gs, ComposedQueryEvent((sum_event, count_event))
+
+    def derive_metrics(self, global_state: Any) -> dict:
+        gs = self._global(global_state)
+        out = {"l2_norm_clip": gs.l2_norm_clip}
+        if gs.unclipped_fraction is not None:
+            out["unclipped_fraction"] = gs.unclipped_fraction
+        return out
+

@@ -1,0 +1,207 @@
+"""The DPQuery lifecycle (McMahan et al. 2018, §2 and §7; the design of TF Privacy's DPQuery).
+
+A query turns the records of one sample into a privatized aggregate in five steps::
+
+    gs = q.initial_global_state()
+    params = q.derive_sample_params(gs)
+    st = q.initial_sample_state(template)          # template: one record's arrays (or specs)
+    st = q.accumulate_records(params, st, batch)   # batch: the records with a leading B axis
+    st = q.merge_sample_states(st, other_st)       # hierarchical / distributed aggregation
+    result, gs, event = q.get_noised_result(st, gs)
+
+``accumulate_records`` hands a whole batch to the Rust core in one call per group: per-record
+Python calls were what made older libraries slow. ``event`` is the privacy-tuple event of
+:mod:`dpcore.queries.events`, which the ledger records (§6).
+
+Sample states hold float64 sums and are never modified in place by the queries: every call
+returns a new state, so a state can be merged or reused safely.
+
+``seed`` arguments exist for tests and reproductions only: noise drawn from a known seed can be
+recomputed and subtracted, so a seeded result carries no privacy guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..mechanism import _seed, gaussian_noise
+
+_SEED_LIMIT = 1 << 64
+
+
+class DPQuery:
+    """Base class of all queries. Subclasses implement every method except where noted."""
+
+    def initial_global_state(self) -> Any:
+        """The state carried across samples (clip norms, noise stddevs, adaptive estimates)."""
+        return None
+
+    def derive_sample_params(self, global_state: Any) -> Any:
+        """What accumulation needs from the global state for one sample (e.g. the clip norm)."""
+        return None
+
+    def initial_sample_state(self, template: Any) -> Any:
+        """An empty sample state shaped like one record; ``template`` holds arrays or specs
+        (anything with ``.shape`` and ``.dtype``) with the shapes of a single record."""
+        raise NotImplementedError
+
+    def accumulate_records(self, params: Any, sample_state: Any, records: Any) -> Any:
+        """Adds a batch of records (arrays with a leading record axis) to a sample state."""
+        raise NotImplementedError
+
+    def accumulate_record(self, params: Any, sample_state: Any, record: Any) -> Any:
+        """Adds one record (arrays without the record axis). Same as a batch of one."""
+        return self.accumulate_records(params, sample_state, _batch_of_one(record))
+
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> Any:
+        """The state of the union of two disjoint sets of records."""
+        raise NotImplementedError
+
+    def get_noised_result(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> Tuple[Any, Any, Any]:
+        """``(result, new_global_state, event)``: the privatized aggregate, the updated global
+        state and the privacy-tuple event to record in the ledger. ``seed``: tests only."""
+        raise NotImplementedError
+
+    def derive_metrics(self, global_state: Any) -> dict:
+        """Metrics of the global state, e.g. an adaptive clip norm (only values already released)."""
+        return {}
+
+
+def _batch_of_one(record: Any) -> Any:
+    if isinstance(record, dict):
+        return {k: _batch_of_one(v) for k, v in record.items()}
+    if isinstance(record, (list, tuple)):
+        return type(record)(_batch_of_one(v) for v in record) if type(record) in (list, tuple) else [
+            _batch_of_one(v) for v in record
+        ]
+    a = np.asarray(record)
+    return a[np.newaxis]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _real(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    return float(v)
+
+
+def positive(name: str, v: Any) -> float:
+    x = _real(name, v)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return x
+
+
+def nonnegative(name: str, v: Any) -> float:
+    x = _real(name, v)
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {x}")
+    return x
+
+
+def derive_seed(seed: Optional[int], *path: int) -> Optional[int]:
+    """An independent seed for one part of a seeded call (tests only); None stays None so that
+    unseeded calls keep drawing fresh keys from the OS."""
+    s = _seed(seed)
+    if s is None:
+        return None
+    st = np.random.SeedSequence([s, *path]).generate_state(2, np.uint32)
+    return int(st[0]) | (int(st[1]) << 32)
+
+
+# ----------------------------------------------------------------------------- sum states
+
+
+def _spec(x: Any, k: int) -> Tuple[Tuple[int, ...], np.dtype]:
+    if isinstance(x, np.ndarray) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        shape, dt = tuple(int(d) for d in x.shape), np.dtype(x.dtype)
+    else:
+        a = np.asarray(x)
+        shape, dt = a.shape, a.dtype
+    if dt.kind != "f" or dt.itemsize not in (4, 8):
+        raise TypeError(f"template array {k}: records must be float32 or float64, got dtype {dt}")
+    return shape, dt
+
+
+@dataclass(frozen=True)
+class SumState:
+    """The sample state of a sum query: float64 sums shaped like one record's arrays.
+
+    ``l2_norm_clip`` is the bound that the accumulated records were actually clipped to (None
+    while no batch has been added); the released event reports it, so a query whose global state
+    changed between accumulation and release cannot under-report the sensitivity.
+    """
+
+    sums: Tuple[np.ndarray, ...]
+    dtypes: Tuple[np.dtype, ...]
+    kind: type
+    l2_norm_clip: Optional[float] = None
+
+    @staticmethod
+    def from_template(template: Any) -> "SumState":
+        if isinstance(template, (list, tuple)):
+            if len(template) == 0:
+                raise ValueError("template is an empty sequence; give one array per record part")
+            specs = [_spec(t, k) for k, t in enumerate(template)]
+            kind: type = type(template) if type(template) in (list, tuple) else list
+        else:
+            specs = [_spec(template, 0)]
+            kind = np.ndarray
+        return SumState(
+            tuple(np.zeros(s, np.float64) for s, _ in specs), tuple(d for _, d in specs), kind, None
+        )
+
+    def check_records(self, arrays: Sequence[np.ndarray]) -> None:
+        if len(arrays) != len(self.sums):
+            raise ValueError(f"records have {len(arrays)} arrays but the sample state has {len(self.sums)}")
+        for k, (a, s) in enumerate(zip(arrays, self.sums)):
+            if a.shape[1:] != s.shape:
+                raise ValueError(
+                    f"records array {k}: a record has shape {a.shape[1:]} but the sample state expects {s.shape}"
+                )
+
+    def added(self, sums: List[np.ndarray], clip: Optional[float]) -> "SumState":
+        """A new state with ``sums`` (fresh float64 arrays, consumed) added."""
+        if self.l2_norm_clip is not None and clip is not None and clip != self.l2_norm_clip:
+            raise ValueError(
+                f"records of one sample must be clipped to one bound: the state holds records clipped "
+                f"to {self.l2_norm_clip}, these to {clip}"
+            )
+        for s, old in zip(sums, self.sums):
+            np.add(s, old, out=s)
+        return SumState(tuple(sums), self.dtypes, self.kind, clip if clip is not None else self.l2_norm_clip)
+
+    def merged(self, other: "SumState") -> "SumState":
+        if not isinstance(other, SumState):
+            raise TypeError(f"cannot merge a SumState with {type(other).__name__}")
+        if len(other.sums) != len(self.sums) or any(a.shape != b.shape for a, b in zip(self.sums, other.sums)):
+            raise ValueError("cannot merge sample states of different shapes")
+        clips = {c for c in (self.l2_norm_clip, other.l2_norm_clip) if c is not None}
+        if len(clips) > 1:
+            raise ValueError(f"cannot merge sample states clipped to different bounds: {sorted(clips)}")
+        clip = clips.pop() if clips else None
+        return SumState(tuple(a + b for a, b in zip(self.sums, other.sums)), self.dtypes, self.kind, clip)
+
+    def noised(
+        self, stddevs: Sequence[float], denominator: float, seed: Optional[int]
+    ) -> Any:
+        """Σ + N(0, stddev_j²) per part, divided by ``denominator``, in the template's dtypes."""
+        outs = []
+        for j, (s, sd, dt) in enumerate(zip(self.sums, stddevs, self.dtypes)):
+            noise = gaussian_noise(s.shape, sd, dtype=np.float64, seed=derive_seed(seed, j))
+            r = np.asarray(s + noise)
+            if denominator != 1.0:
+                r /= denominator
+            outs.append(r.astype(dt, copy=False))
+        if self.kind is np.ndarray:
+            return outs[0]
+        return self.kind(outs)

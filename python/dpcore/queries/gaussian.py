@@ -1,0 +1,226 @@
+"""Gaussian sum and average queries over one group of vectors (McMahan et al. 2018, §1–§2).
+
+A group's records are one array of shape (B, ...) or a list/tuple of such arrays (the parts of
+the group, e.g. the tensors of one layer); record i is row i of all of them, clipped jointly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..mechanism import _unpack, clip_sum
+from .base import DPQuery, SumState, nonnegative, positive
+from .events import NonPrivateQueryEvent, SumQueryEvent
+
+__all__ = [
+    "GaussianSumQuery",
+    "GaussianAverageQuery",
+    "JointClipQuery",
+    "CountQuery",
+    "NoPrivacyQuery",
+    "GaussianGlobalState",
+]
+
+
+@dataclass(frozen=True)
+class GaussianGlobalState:
+    """Global state of a Gaussian sum query: the clip norm S_g and the noise stddev σ̃_g."""
+
+    l2_norm_clip: float
+    stddev: float
+
+
+def _state(sample_state: Any) -> SumState:
+    if not isinstance(sample_state, SumState):
+        raise TypeError(
+            f"sample_state must come from initial_sample_state (a SumState), got {type(sample_state).__name__}"
+        )
+    return sample_state
+
+
+def _global(global_state: Any) -> GaussianGlobalState:
+    if not isinstance(global_state, GaussianGlobalState):
+        raise TypeError(
+            f"global_state must come from initial_global_state (a GaussianGlobalState), got {type(global_state).__name__}"
+        )
+    return global_state
+
+
+class GaussianSumQuery(DPQuery):
+    """Σ_i π_S(x_i) + N(0, σ̃²·I): the Gaussian mechanism for sums, privacy tuple (S, σ̃).
+
+    McMahan et al. 2018, §1 steps 2–3 and §2 ("separate clipping and noise parameters"): each
+    record (all arrays of the group together) is clipped to L2 norm ``l2_norm_clip`` = S in the
+    Rust core, the clipped records are summed in float64, and noise of stddev ``stddev`` = σ̃ is
+    added to every coordinate of the sum. Its event is ``SumQueryEvent(S, σ̃)``; the noise
+    multiplier is σ̃/S.
+    """
+
+    _scales: Optional[Tuple[float, ...]] = None
+
+    def __init__(self, l2_norm_clip: float, stddev: float) -> None:
+        self._clip = positive("l2_norm_clip", l2_norm_clip)
+        self._stddev = nonnegative("stddev", stddev)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(l2_norm_clip={self._clip}, stddev={self._stddev})"
+
+    def _denominator(self) -> float:
+        return 1.0
+
+    def initial_global_state(self) -> GaussianGlobalState:
+        return GaussianGlobalState(self._clip, self._stddev)
+
+    def derive_sample_params(self, global_state: Any) -> float:
+        return _global(global_state).l2_norm_clip
+
+    def initial_sample_state(self, template: Any) -> SumState:
+        st = SumState.from_template(template)
+        if self._scales is not None and len(st.sums) != len(self._scales):
+            raise ValueError(f"template has {len(st.sums)} arrays but scales has {len(self._scales)} values")
+        return st
+
+    def accumulate_with_norms(self, params: Any, sample_state: Any, records: Any) -> Tuple[SumState, np.ndarray]:
+        """As :meth:`accumulate_records`, also returning the records' unclipped norms (B,) (of the
+        scaled records for joint clipping). The norms are not private; use them only inside a
+        query that privatizes what it derives from them."""
+        st = _state(sample_state)
+        clip = positive("l2_norm_clip (sample params)", params)
+        arrays, _ = _unpack(records)
+        st.check_records(arrays)
+        sums, norms = clip_sum(list(arrays), clip, scales=self._scales, dtype=np.float64)
+        return st.added(list(sums), clip), norms
+
+    def accumulate_records(self, params: Any, sample_state: Any, records: Any) -> SumState:
+        return self.accumulate_with_norms(params, sample_state, records)[0]
+
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> SumState:
+        return _state(sample_state_1).merged(_state(sample_state_2))
+
+    def get_noised_result(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> Tuple[Any, GaussianGlobalState, SumQueryEvent]:
+        st, gs = _state(sample_state), _global(global_state)
+        scales = self._scales or (1.0,) * len(st.sums)
+        if self._scales is not None and len(st.sums) != len(self._scales):
+            raise ValueError(f"sample state has {len(st.sums)} arrays but scales has {len(self._scales)} values")
+        # The event reports the bound the records were clipped to (see SumState) and the noise
+        # actually added; both are validated by SumQueryEvent before any noise is drawn.
+        event = SumQueryEvent(st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip, gs.stddev)
+        result = st.noised([gs.stddev * a for a in scales], self._denominator(), seed)
+        return result, gs, event
+
+
+class GaussianAverageQuery(GaussianSumQuery):
+    """(Σ_i π_S(x_i) + N(0, σ̃²·I)) / denominator: the fixed-expected-denominator estimator.
+
+    McMahan et al. 2018, §1 step 3 and footnote 1 (the estimator f̃ of McMahan et al. 2018b):
+    with Poisson sampling at rate q over n records, ``denominator`` = q·n makes the result an
+    unbiased estimate of the average. Dividing is post-processing: the privacy tuple is that of
+    the sum, (S, σ̃), where σ̃ = q·n·σ for a per-average stddev σ (§2).
+    """
+
+    def __init__(self, l2_norm_clip: float, stddev: float, denominator: float) -> None:
+        super().__init__(l2_norm_clip, stddev)
+        self._den = positive("denominator", denominator)
+
+    def __repr__(self) -> str:
+        return (
+            f"GaussianAverageQuery(l2_norm_clip={self._clip}, stddev={self._stddev}, denominator={self._den})"
+        )
+
+    def _denominator(self) -> float:
+        return self._den
+
+
+class JointClipQuery(GaussianSumQuery):
+    """The joint clipping mechanism of McMahan et al. 2018, §2.
+
+    For a group of K parts v = (v_1, …, v_K) with scales α_j (``scales``):
+
+    1. scale: s(v; α) = (v_1/α_1, …, v_K/α_K);
+    2. clip the scaled record jointly: π_S(s(v; α)) with S = ``l2_norm_clip`` (S_g ∈ [0, √K]);
+    3. sum, and add N(0, (α_j·σ̃)²) to part j, σ̃ = ``stddev``;
+    4. scale part j back by α_j.
+
+    Steps 1, 2 and 4 are fused in the Rust core (the clip factor computed on the scaled record
+    multiplies the unscaled parts). The output is a post-processing of a Gaussian sum query with
+    privacy tuple (S, σ̃) — the event — whatever the scales. Records are a list/tuple of K
+    arrays (or one array when K = 1); with ``denominator`` the result is divided by it.
+    """
+
+    def __init__(
+        self, scales: Sequence[float], l2_norm_clip: float, stddev: float, *, denominator: Optional[float] = None
+    ) -> None:
+        super().__init__(l2_norm_clip, stddev)
+        if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
+            raise TypeError("scales must be a sequence of floats, one per part of the group")
+        vals = tuple(positive(f"scales[{k}]", a) for k, a in enumerate(scales))
+        if not vals:
+            raise ValueError("scales is empty; give one scale per part of the group")
+        if not math.isfinite(self._stddev * max(vals)):
+            raise ValueError("stddev * max(scales) overflows: the noise of the largest part is not finite")
+        self._scales = vals
+        self._den = 1.0 if denominator is None else positive("denominator", denominator)
+
+    def __repr__(self) -> str:
+        return f"JointClipQuery(scales={list(self._scales or ())}, l2_norm_clip={self._clip}, stddev={self._stddev})"
+
+    def _denominator(self) -> float:
+        return self._den
+
+
+class CountQuery(GaussianSumQuery):
+    """A private count or sum of indicators: GaussianSumQuery with S = 1 (McMahan et al. 2018,
+    §1 and §9: metrics such as accuracy or per-class counts estimated beside the gradients).
+
+    Records are per-record values of shape (B,) or (B, k): a 1 per record for a count, a 0/1
+    correctness indicator for accuracy, a one-hot row for per-class counts. Each record's row is
+    clipped to L2 norm 1, so values outside [−1, 1] are shrunk (and the sum is rounded to the
+    safe side by the core's clip margin, a relative 1e-7 at most). Put it in a
+    :class:`NestedQuery` beside the gradient groups so it is accounted with them by Eq. (1).
+    """
+
+    def __init__(self, stddev: float) -> None:
+        super().__init__(1.0, stddev)
+
+    def __repr__(self) -> str:
+        return f"CountQuery(stddev={self._stddev})"
+
+
+class NoPrivacyQuery(DPQuery):
+    """Plain sum (or average with ``denominator``) without clipping or noise.
+
+    For baselines and debugging. Its event is :class:`NonPrivateQueryEvent`: a ledger holding it
+    reports ε = ∞.
+    """
+
+    def __init__(self, denominator: Optional[float] = None) -> None:
+        self._den = 1.0 if denominator is None else positive("denominator", denominator)
+
+    def __repr__(self) -> str:
+        return "NoPrivacyQuery()" if self._den == 1.0 else f"NoPrivacyQuery(denominator={self._den})"
+
+    def initial_sample_state(self, template: Any) -> SumState:
+        return SumState.from_template(template)
+
+    def accumulate_records(self, params: Any, sample_state: Any, records: Any) -> SumState:
+        st = _state(sample_state)
+        arrays, _ = _unpack(records)
+        st.check_records(arrays)
+        return st.added([np.asarray(np.add.reduce(a, axis=0, dtype=np.float64)) for a in arrays], None)
+
+    def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> SumState:
+        return _state(sample_state_1).merged(_state(sample_state_2))
+
+    def get_noised_result(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> Tuple[Any, Any, NonPrivateQueryEvent]:
+        st = _state(sample_state)
+        outs = [(s / self._den).astype(dt, copy=False) for s, dt in zip(st.sums, st.dtypes)]
+        result = outs[0] if st.kind is np.ndarray else st.kind(outs)
+        return result, global_state, NonPrivateQueryEvent()
