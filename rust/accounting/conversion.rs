@@ -63,11 +63,16 @@ pub struct Optimum {
 
 /// Brent's minimisation (golden section + parabolic interpolation) of `f` on [a, b], started at
 /// x0 with f(x0) = fx0. Returns the best point seen.
-fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, x0: f64, fx0: f64, rel_tol: f64) -> (f64, f64) {
+/// `fa`, `fb`: f at the ends (known from the grid), which seed the first parabolic step.
+#[allow(clippy::too_many_arguments)]
+fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, fa: f64, fb: f64, x0: f64, fx0: f64, rel_tol: f64) -> (f64, f64) {
     const CGOLD: f64 = 0.381_966_011_250_105_1;
-    let (mut x, mut w, mut v) = (x0, x0, x0);
-    let (mut fx, mut fw, mut fv) = (fx0, fx0, fx0);
-    let (mut d, mut e) = (0.0f64, 0.0f64);
+    let (mut x, mut w, mut v) = (x0, a, b);
+    let (mut fx, mut fw, mut fv) = (fx0, fa, fb);
+    if fw > fv {
+        (w, fw, v, fv) = (v, fv, w, fw);
+    }
+    let (mut d, mut e) = (0.0f64, b - a);
     for _ in 0..60 {
         let m = 0.5 * (a + b);
         let tol = rel_tol * x.abs() + 1e-12;
@@ -103,6 +108,9 @@ fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, x0: f64, fx
         }
         let u = if d.abs() >= tol { x + d } else { x + tol.copysign(d) };
         let fu = f(u);
+        // A parabolic step that changes f by < 1e-10 relative: converged in value (the
+        // remaining gap shrinks superlinearly), which is what ε needs.
+        let flat = !golden && (fu - fx).abs() <= 1e-10 * fx.abs();
         if fu <= fx {
             if u < x { b = x } else { a = x }
             (v, fv, w, fw, x, fx) = (w, fw, x, fx, u, fu);
@@ -113,6 +121,9 @@ fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, x0: f64, fx
             } else if fu <= fv || v == x || v == w {
                 (v, fv) = (u, fu);
             }
+        }
+        if flat {
+            break;
         }
     }
     (x, fx)
@@ -149,11 +160,11 @@ fn optimise<F: Fn(f64) -> f64, G: Fn(f64, f64) -> f64>(grid: &[(f64, f64)], rdp_
     if !best_v.is_finite() || n < 2 || best_v == 0.0 || best_v == f64::NEG_INFINITY {
         return Optimum { value: best_v, order: best_a, at_edge: false };
     }
-    let a = grid[i.saturating_sub(1)].0;
-    let b = grid[(i + 1).min(n - 1)].0;
-    let b = if b.is_finite() { b } else { best_a };
-    let rel_tol = 1e-6;
-    let (x, fx) = if b > a { brent_min(|al| at(al, rdp_fn(al)), a, b, best_a, best_v, rel_tol) } else { (best_a, best_v) };
+    let (ia, ib) = (i.saturating_sub(1), (i + 1).min(n - 1));
+    let (a, fa) = (grid[ia].0, vals[ia]);
+    let (b, fb) = if grid[ib].0.is_finite() { (grid[ib].0, vals[ib]) } else { (best_a, best_v) };
+    let rel_tol = 2e-5;
+    let (x, fx) = if b > a { brent_min(|al| at(al, rdp_fn(al)), a, b, fa, fb, best_a, best_v, rel_tol) } else { (best_a, best_v) };
     let (order, value) = if fx < best_v { (x, fx) } else { (best_a, best_v) };
     let edge = if i == 0 { Some(grid[0].0) } else if i == n - 1 { Some(grid[n - 1].0) } else { None };
     let at_edge = edge.is_some_and(|e| (order - e).abs() <= 10.0 * rel_tol * e);

@@ -153,7 +153,7 @@ impl SubsampledGaussian {
         let top = alpha.max(2.0);
         // Step: resolves Gaussian bumps of width z, and the branch points of (1 + u)^α at
         // distance πz² from the real axis (at x₀); halving takes care of the rest.
-        let h0 = (0.5 * z).min(0.7 * z2).max(1e-4 * top);
+        let h0 = (0.8 * z).min(0.6 * z2).max(1e-4 * top);
         let norm = -(z.ln() + LN_SQRT_2PI);
         let mut kz = 8.5;
         loop {

@@ -5,6 +5,7 @@ use super::detached;
 use crate::accounting::{calibration, conversion, default_orders, rdp_poisson, Composition};
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use rayon::prelude::*;
 
 type Groups = Vec<(f64, f64, f64)>;
 
@@ -30,6 +31,23 @@ fn rdp_composition(py: Python<'_>, poisson: Groups, wor: Groups, non_private: bo
         crate::accounting::check_orders(&orders)?;
         let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
         Ok(c.rdp_grid(&orders))
+    })?;
+    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+}
+
+/// One row per group (Poisson groups first, then without-replacement ones), flattened:
+/// RDP of a single step of each group at each order. Counts are ignored.
+#[pyfunction]
+fn rdp_per_group(py: Python<'_>, poisson: Groups, wor: Groups, orders: Vec<f64>) -> PyResult<Py<PyAny>> {
+    let v = detached(py, || {
+        crate::accounting::check_orders(&orders)?;
+        let c = Composition::new(&poisson, &wor, false, max_order(&orders))?;
+        let n = orders.len();
+        let cells: Vec<f64> = (0..c.steps.len() * n)
+            .into_par_iter()
+            .map(|i| c.steps[i / n].0.rdp(orders[i % n]))
+            .collect();
+        Ok(cells)
     })?;
     Ok(PyArray1::from_vec(py, v).into_any().unbind())
 }
@@ -77,6 +95,16 @@ fn delta_composition(
     })
 }
 
+/// (ε, best order) from RDP values on a grid alone: no continuous search (nothing is known
+/// between the orders).
+#[pyfunction]
+fn epsilon_from_rdp(py: Python<'_>, orders: Vec<f64>, rdp: Vec<f64>, delta: f64) -> PyResult<(f64, f64)> {
+    detached(py, || {
+        let o = conversion::epsilon(&orders, &rdp, |_| f64::INFINITY, delta)?;
+        Ok((o.value, o.order))
+    })
+}
+
 #[pyfunction]
 fn calibrate_noise_multiplier(py: Python<'_>, target_epsilon: f64, target_delta: f64, q: f64, steps: f64, orders: Vec<f64>) -> PyResult<f64> {
     detached(py, || calibration::noise_multiplier(target_epsilon, target_delta, q, steps, &orders))
@@ -110,8 +138,10 @@ fn default_rdp_orders() -> Vec<f64> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rdp_poisson_subsampled_gaussian, m)?)?;
     m.add_function(wrap_pyfunction!(rdp_composition, m)?)?;
+    m.add_function(wrap_pyfunction!(rdp_per_group, m)?)?;
     m.add_function(wrap_pyfunction!(epsilon_composition, m)?)?;
     m.add_function(wrap_pyfunction!(delta_composition, m)?)?;
+    m.add_function(wrap_pyfunction!(epsilon_from_rdp, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_noise_multiplier, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_sampling_probability, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_steps, m)?)?;
