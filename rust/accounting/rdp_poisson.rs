@@ -53,7 +53,7 @@ pub fn check_order(alpha: f64) -> DpResult<()> {
 
 /// Round a non-negative result up by a relative margin that covers floating-point error.
 pub(crate) fn round_up(x: f64, rel: f64) -> f64 {
-    if x.is_finite() {
+    if x.is_finite() && x != 0.0 {
         (x + x.abs() * rel).next_up()
     } else {
         x
