@@ -108,9 +108,9 @@ fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, fa: f64, fb
         }
         let u = if d.abs() >= tol { x + d } else { x + tol.copysign(d) };
         let fu = f(u);
-        // A parabolic step that changes f by < 1e-10 relative: converged in value (the
+        // A parabolic step that changes f by < 1e-9 relative: converged in value (the
         // remaining gap shrinks superlinearly), which is what ε needs.
-        let flat = !golden && (fu - fx).abs() <= 1e-10 * fx.abs();
+        let flat = !golden && (fu - fx).abs() <= 1e-9 * fx.abs();
         if fu <= fx {
             if u < x { b = x } else { a = x }
             (v, fv, w, fw, x, fx) = (w, fw, x, fx, u, fu);
@@ -163,7 +163,7 @@ fn optimise<F: Fn(f64) -> f64, G: Fn(f64, f64) -> f64>(grid: &[(f64, f64)], rdp_
     let (ia, ib) = (i.saturating_sub(1), (i + 1).min(n - 1));
     let (a, fa) = (grid[ia].0, vals[ia]);
     let (b, fb) = if grid[ib].0.is_finite() { (grid[ib].0, vals[ib]) } else { (best_a, best_v) };
-    let rel_tol = 2e-5;
+    let rel_tol = 1e-4;
     let (x, fx) = if b > a { brent_min(|al| at(al, rdp_fn(al)), a, b, fa, fb, best_a, best_v, rel_tol) } else { (best_a, best_v) };
     let (order, value) = if fx < best_v { (x, fx) } else { (best_a, best_v) };
     let edge = if i == 0 { Some(grid[0].0) } else if i == n - 1 { Some(grid[n - 1].0) } else { None };

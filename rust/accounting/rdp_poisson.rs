@@ -148,12 +148,12 @@ impl SubsampledGaussian {
         let x0 = z2 * (l1q - lq) + 0.5;
         let logf = |x: f64| {
             let t = (2.0 * x - 1.0) * inv2z2;
-            -x * x * inv2z2 + if x <= x0 || t <= 0.0 { g.ln_left(q, t) } else { g.ln_right(lq, t) }
+            -x * x * inv2z2 + if x <= x0 || t <= 0.0 { g.ln_left(q, lq, t) } else { g.ln_right(lq, t) }
         };
         let top = alpha.max(2.0);
         // Step: resolves Gaussian bumps of width z, and the branch points of (1 + u)^α at
         // distance πz² from the real axis (at x₀); halving takes care of the rest.
-        let h0 = (0.8 * z).min(0.6 * z2).max(1e-4 * top);
+        let h0 = (0.8 * z).min(0.8 * z2).max(1e-4 * top);
         let norm = -(z.ln() + LN_SQRT_2PI);
         let mut kz = 8.5;
         loop {
@@ -163,7 +163,7 @@ impl SubsampledGaussian {
             // Left tail, x ≤ lo ≤ 0: u ∈ (−q, 0) and g decreases there, so g ≤ g(−q); the
             // Gaussian tail is bounded by Mills' ratio Φ̄(s) ≤ φ(s)/s.
             let s_lo = -lo / z;
-            let log_tail_lo = g.ln_left(q, f64::NEG_INFINITY) - 0.5 * s_lo * s_lo - LN_SQRT_2PI - s_lo.ln();
+            let log_tail_lo = g.ln_left(q, lq, f64::NEG_INFINITY) - 0.5 * s_lo * s_lo - LN_SQRT_2PI - s_lo.ln();
             // Right tail, x ≥ hi > α: g(u) ≤ (1+u)^α ≤ (qL)^α (1 + (1−q)/(q L(hi)))^α, and
             // φ_z(x) L(x)^α = e^{α(α−1)/(2z²)} φ_z(x − α).
             let t_hi = (2.0 * hi - 1.0) * inv2z2;
@@ -224,18 +224,21 @@ impl GFun {
                 break;
             }
         }
-        Some(2.0 * ln_abs_u + sum.ln())
+        // One logarithm instead of two when u² is safely representable.
+        Some(if au > 1e-100 { (u * u * sum).ln() } else { 2.0 * ln_abs_u + sum.ln() })
     }
 
     /// log g(u(t)) left of the crossing point, u = q·(e^t − 1) ∈ (−q, 1 − 2q].
     #[inline]
-    fn ln_left(&self, q: f64, t: f64) -> f64 {
+    fn ln_left(&self, q: f64, lq: f64, t: f64) -> f64 {
         let em1 = t.exp_m1();
         let u = q * em1;
         if u == 0.0 {
             return f64::NEG_INFINITY;
         }
-        if let Some(v) = self.ln_series(u, q.ln() + em1.abs().ln()) {
+        // ln|u| is only needed (and only computed) when u² would underflow.
+        let ln_abs_u = if u.abs() > 1e-100 { f64::NAN } else { lq + em1.abs().ln() };
+        if let Some(v) = self.ln_series(u, ln_abs_u) {
             return v;
         }
         // Here g is not small relative to its parts ((1+u)^α and 1 + αu), so direct evaluation
