@@ -14,6 +14,7 @@ Noise and sampling come from ChaCha20 keyed from the operating system on every c
 arguments exist for tests and reproductions only and void the privacy guarantee.
 """
 
+from . import accounting
 from ._core import __version__
 from .aggregator import PrivateAggregator
 from .ledger import PrivacyLedger
@@ -33,6 +34,7 @@ from .sampling import fixed_size_sample, poisson_sample
 
 __all__ = [
     "__version__",
+    "accounting",
     "clip_noise",
     "clip_sum",
     "record_norms",
