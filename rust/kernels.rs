@@ -93,10 +93,6 @@ macro_rules! simd_tier {
             pub fn all_finite<T: Elem>(x: &[T]) -> bool {
                 all_finite_generic(x)
             }
-            #[target_feature(enable = $feat)]
-            pub fn xor_fold(x: &[f32]) -> u32 {
-                xor_fold_generic(x)
-            }
         }
     };
 }
@@ -165,26 +161,6 @@ pub fn sumsq_scaled<T: Elem>(x: &[T], s: f64) -> f64 {
         let t = v.to_f64() * inv;
         a + t * t
     })
-}
-
-#[inline(always)]
-fn xor_fold_generic(x: &[f32]) -> u32 {
-    let mut acc = [0u32; 16];
-    let chunks = x.chunks_exact(16);
-    let rem = chunks.remainder();
-    for v in chunks {
-        for l in 0..16 {
-            acc[l] ^= v[l].to_bits();
-        }
-    }
-    rem.iter().fold(acc.iter().fold(0, |a, b| a ^ b), |a, v| a ^ v.to_bits())
-}
-
-/// XOR of all bit patterns, read on all threads: a reference for how fast this machine streams
-/// memory (the benchmarks report our kernels as a fraction of it).
-pub fn stream_read(x: &[f32]) -> u32 {
-    use rayon::prelude::*;
-    x.par_chunks(1 << 16).map(|c| dispatch!(xor_fold, xor_fold_generic(c))).reduce(|| 0, |a, b| a ^ b)
 }
 
 #[cfg(test)]

@@ -145,14 +145,6 @@ fn gaussian_flat(py: Python<'_>, n: usize, stddev: f64, double: bool, seed: Opti
     })
 }
 
-/// Reads every byte of a float32 array on all threads: the streaming-read bandwidth that the
-/// benchmarks compare against. Not part of the public API.
-#[pyfunction]
-fn _stream_read(py: Python<'_>, a: PyReadonlyArrayDyn<'_, f32>) -> PyResult<u32> {
-    let x = a.as_slice().map_err(|_| PyValueError::new_err("array must be C-contiguous"))?;
-    py.detach(|| Ok(crate::kernels::stream_read(x)))
-}
-
 /// Sorted indices of a Poisson sample (uint64).
 #[pyfunction]
 #[pyo3(signature = (n, q, seed=None))]
@@ -174,7 +166,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gaussian_sum_flat, m)?)?;
     m.add_function(wrap_pyfunction!(record_norms, m)?)?;
     m.add_function(wrap_pyfunction!(gaussian_flat, m)?)?;
-    m.add_function(wrap_pyfunction!(_stream_read, m)?)?;
     m.add_function(wrap_pyfunction!(poisson_sample, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_size_sample, m)?)?;
     accounting::register(m)?;
