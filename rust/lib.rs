@@ -8,6 +8,7 @@
 //! Everything here is plain Rust and knows nothing of Python; `bindings` (behind the `python`
 //! feature) is the one module that does.
 
+pub mod accounting;
 pub mod clip;
 pub mod error;
 pub mod kernels;

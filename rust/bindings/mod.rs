@@ -3,6 +3,8 @@
 //! Structure and dtype normalisation happens in `python/dpcore/mechanism.py`; this layer
 //! still refuses anything it cannot read in place.
 
+mod accounting;
+
 use crate::error::DpError;
 use crate::mechanism::{gaussian_sum_as, Output};
 use crate::noise::gaussian;
@@ -175,6 +177,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_stream_read, m)?)?;
     m.add_function(wrap_pyfunction!(poisson_sample, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_size_sample, m)?)?;
+    accounting::register(m)?;
     m.add("NOISE_CHUNK", crate::noise::NOISE_CHUNK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

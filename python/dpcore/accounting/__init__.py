@@ -1,0 +1,49 @@
+"""Privacy accounting: (ε, δ) of what a training run did; concern (c) of McMahan et al. 2018.
+
+Describe the run with events (:mod:`.events`), compose them into an :class:`RdpAccountant`,
+ask for ε (or δ). Calibration helpers find the noise, sampling rate or steps for a target ε.
+See :mod:`dpcore.accounting.rdp` for the papers and equations behind every number.
+"""
+
+from .calibration import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
+from .events import (
+    ComposedEvent,
+    Event,
+    GaussianEvent,
+    NonPrivateEvent,
+    PoissonSampledEvent,
+    SampledWithoutReplacementEvent,
+    SelfComposedEvent,
+    event_from_dict,
+)
+from .interop import from_dp_accounting, to_dp_accounting
+from .rdp import (
+    DEFAULT_ORDERS,
+    OrderRangeWarning,
+    RdpAccountant,
+    epsilon,
+    epsilon_from_rdp,
+    rdp_poisson_subsampled_gaussian,
+)
+
+__all__ = [
+    "Event",
+    "GaussianEvent",
+    "PoissonSampledEvent",
+    "SampledWithoutReplacementEvent",
+    "SelfComposedEvent",
+    "ComposedEvent",
+    "NonPrivateEvent",
+    "event_from_dict",
+    "RdpAccountant",
+    "OrderRangeWarning",
+    "DEFAULT_ORDERS",
+    "epsilon",
+    "epsilon_from_rdp",
+    "rdp_poisson_subsampled_gaussian",
+    "calibrate_noise_multiplier",
+    "calibrate_sampling_probability",
+    "calibrate_steps",
+    "to_dp_accounting",
+    "from_dp_accounting",
+]

@@ -1,0 +1,340 @@
+"""Rényi-DP accountant for (sub)sampled Gaussian steps; concern (c) of McMahan et al. 2018.
+
+The math runs in Rust (``rust/accounting``):
+
+* Poisson-subsampled Gaussian, add-or-remove-one adjacency: ε(α) = log A_α / (α − 1) with
+  A_α = E_{x∼N(0,z²)}[((1 − q) + q·exp((2x − 1)/(2z²)))^α] (Mironov, Talwar, Zhang 2019,
+  arXiv:1908.10530, §3 eq. (3)); exact binomial sums at integer α (§3.2), numerical
+  integration at real α (the integral itself, not the §3.3 series), rounded up.
+* Sampling without replacement, replace-one adjacency: Wang, Balle, Kasiviswanathan 2019
+  (arXiv:1808.00087), Theorem 9 with the Gaussian refinement of Theorem 27, exact at integer α
+  and interpolated on the convex cumulant (Corollary 10) between them.
+* Composition adds RDP (Mironov 2017, arXiv:1702.07476, Proposition 1).
+* RDP → (ε, δ): ε = r + log1p(−1/α) − (log δ + log α)/(α − 1) (Canonne, Kamath, Steinke 2020,
+  arXiv:2004.00010, Proposition 12; Balle et al. 2020, arXiv:1905.09982, Theorem 21), minimised
+  over the grid of orders and then continuously between the neighbours of the best one; the
+  result is never above the grid minimum.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _core
+from .events import (
+    ComposedEvent,
+    Event,
+    GaussianEvent,
+    NonPrivateEvent,
+    PoissonSampledEvent,
+    SampledWithoutReplacementEvent,
+    SelfComposedEvent,
+)
+
+#: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
+DEFAULT_ORDERS: Tuple[float, ...] = tuple(_core.default_rdp_orders())
+
+NEIGHBORING = ("add_or_remove", "replace_one")
+
+
+class OrderRangeWarning(UserWarning):
+    """The best order is at an end of the grid and continuous search could not move it: a
+    wider grid may give a smaller ε."""
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _orders(orders: Optional[Iterable[float]]) -> np.ndarray:
+    if orders is None:
+        return np.asarray(DEFAULT_ORDERS, dtype=np.float64)
+    try:
+        arr = np.asarray(list(orders) if not isinstance(orders, np.ndarray) else orders, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError("orders must be a sequence of real numbers") from None
+    arr = np.atleast_1d(arr).ravel()
+    if arr.size == 0:
+        raise ValueError("orders must hold at least one order")
+    if np.isnan(arr).any() or not (arr > 1).all():
+        raise ValueError(f"orders must all be > 1, got min {np.nanmin(arr) if arr.size else arr}")
+    return np.unique(arr)
+
+
+def _delta(delta: Any) -> float:
+    d = _real("delta", delta)
+    if not 0 <= d <= 1:
+        raise ValueError(f"delta must be in [0, 1], got {d}")
+    return d
+
+
+def _warn_edge(at_edge: bool, order: float, orders: np.ndarray) -> None:
+    if at_edge:
+        warnings.warn(
+            f"the best RDP order {order:g} is at the end of the grid [{orders[0]:g}, {orders[-1]:g}] and "
+            "continuous search could not move it inside; extend `orders` for a possibly smaller epsilon",
+            OrderRangeWarning,
+            stacklevel=3,
+        )
+
+
+def rdp_poisson_subsampled_gaussian(sampling_probability: float, noise_multiplier: float, orders: Any) -> np.ndarray:
+    """RDP ε(α) of one step of the Poisson-subsampled Gaussian mechanism at each order.
+
+    Mironov, Talwar, Zhang 2019 (arXiv:1908.10530), §3 eq. (3): ε(α) = log A_α / (α − 1),
+    A_α = E_{x∼N(0,z²)}[((1 − q) + q e^{(2x−1)/(2z²)})^α]. Integer α: exact binomial sum (§3.2);
+    real α: numerical integration with its error bound added. q = 0 gives 0; z = 0 or α = ∞
+    gives ∞; q = 1 gives α/(2z²) (the Gaussian mechanism, Mironov 2017 Prop. 7).
+
+    Returns a float64 array shaped like ``orders`` (which must all be > 1).
+    """
+    q = _real("sampling_probability", sampling_probability)
+    z = _real("noise_multiplier", noise_multiplier)
+    if not 0 <= q <= 1:
+        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
+    if not z >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    a = np.asarray(orders, dtype=np.float64)
+    flat = a.ravel()
+    if flat.size == 0:
+        return np.zeros(a.shape)
+    if np.isnan(flat).any() or not (flat > 1).all():
+        raise ValueError("orders must all be > 1")
+    out = _core.rdp_poisson_subsampled_gaussian(q, z, flat.tolist())
+    return np.asarray(out).reshape(a.shape)
+
+
+def _effective_noise(event: Event) -> Optional[float]:
+    """Noise multiplier of a Gaussian-only event run on one batch (Gaussians composed on the
+    same data combine as 1/z² = Σ count/z_i², Mironov 2017 Prop. 1 + 7); None if it is not
+    purely Gaussian."""
+    if isinstance(event, GaussianEvent):
+        return event.noise_multiplier
+    inv = 0.0
+    if isinstance(event, SelfComposedEvent):
+        z = _effective_noise(event.event)
+        if z is None:
+            return None
+        return math.inf if event.count == 0 else (z / math.sqrt(event.count))
+    if isinstance(event, ComposedEvent):
+        for e in event.events:
+            z = _effective_noise(e)
+            if z is None:
+                return None
+            if z == 0:
+                return 0.0
+            inv += 1.0 / (z * z)
+        return math.inf if inv == 0 else 1.0 / math.sqrt(inv)
+    return None
+
+
+class RdpAccountant:
+    """Rényi-DP accountant (see the module docstring for the papers and equations).
+
+    ``neighboring``: ``"add_or_remove"`` (Poisson sampling, Gaussian steps) or ``"replace_one"``
+    (sampling without replacement, Gaussian steps). Identical events are grouped, so composing
+    10⁶ steps drawn from a few distinct (q, z) costs one RDP evaluation per distinct pair.
+    """
+
+    def __init__(self, orders: Optional[Sequence[float]] = None, neighboring: str = "add_or_remove") -> None:
+        if neighboring not in NEIGHBORING:
+            raise ValueError(f"neighboring must be one of {NEIGHBORING}, got {neighboring!r}")
+        self._orders = _orders(orders)
+        self._neighboring = neighboring
+        self._poisson: Dict[Tuple[float, float], int] = {}
+        self._wor: Dict[Tuple[float, float], int] = {}
+        self._non_private = False
+        self._group_rdp: Dict[Tuple[str, float, float], np.ndarray] = {}
+
+    @property
+    def orders(self) -> np.ndarray:
+        return self._orders.copy()
+
+    @property
+    def neighboring(self) -> str:
+        return self._neighboring
+
+    def compose(self, event: Event, count: int = 1) -> "RdpAccountant":
+        """Records ``count`` runs of ``event``; returns the accountant (for chaining). Nothing
+        is recorded if the event is not supported under this accountant's adjacency."""
+        if not isinstance(event, Event):
+            raise TypeError(f"event must be an Event, got {type(event).__name__}")
+        count = _count("count", count)
+        poisson: Dict[Tuple[float, float], int] = {}
+        wor: Dict[Tuple[float, float], int] = {}
+        flags = {"non_private": False}
+        self._walk(event, count, poisson, wor, flags, {})
+        for k, c in poisson.items():
+            self._poisson[k] = self._poisson.get(k, 0) + c
+        for k, c in wor.items():
+            self._wor[k] = self._wor.get(k, 0) + c
+        self._non_private |= flags["non_private"]
+        return self
+
+    def _walk(self, e: Event, count: int, poisson: dict, wor: dict, flags: dict, memo: dict) -> None:
+        if count == 0:
+            return
+        if isinstance(e, SelfComposedEvent):
+            self._walk(e.event, count * e.count, poisson, wor, flags, memo)
+        elif isinstance(e, ComposedEvent):
+            # Group repeated sub-events first: 10⁶ identical entries cost one dict update.
+            tally: Dict[Event, int] = {}
+            for sub in e.events:
+                tally[sub] = tally.get(sub, 0) + 1
+            for sub, c in tally.items():
+                self._walk(sub, count * c, poisson, wor, flags, memo)
+        elif isinstance(e, NonPrivateEvent):
+            flags["non_private"] = True
+        elif isinstance(e, GaussianEvent):
+            key = (1.0, e.noise_multiplier)
+            poisson[key] = poisson.get(key, 0) + count
+        elif isinstance(e, PoissonSampledEvent):
+            if self._neighboring != "add_or_remove":
+                raise ValueError("PoissonSampledEvent needs neighboring='add_or_remove'")
+            z = self._inner_noise(e.event, "PoissonSampledEvent", flags)
+            if z is not None:
+                key = (e.sampling_probability, z)
+                poisson[key] = poisson.get(key, 0) + count
+        elif isinstance(e, SampledWithoutReplacementEvent):
+            if self._neighboring != "replace_one":
+                raise ValueError("SampledWithoutReplacementEvent needs neighboring='replace_one'")
+            z = self._inner_noise(e.event, "SampledWithoutReplacementEvent", flags)
+            if z is not None:
+                key = (e.sample_size / e.source_size, z)
+                wor[key] = wor.get(key, 0) + count
+        else:
+            raise TypeError(f"unsupported event {type(e).__name__}")
+
+    @staticmethod
+    def _inner_noise(inner: Event, outer: str, flags: dict) -> Optional[float]:
+        if isinstance(inner, NonPrivateEvent):
+            flags["non_private"] = True
+            return None
+        z = _effective_noise(inner)
+        if z is None:
+            raise TypeError(f"the event inside {outer} must be Gaussian (possibly composed Gaussians)")
+        if math.isinf(z):
+            return None  # nothing released
+        return z
+
+    # -- results -------------------------------------------------------------------------
+
+    def _groups(self) -> Tuple[List[Tuple[float, float, float]], List[Tuple[float, float, float]]]:
+        p = [(q, z, float(c)) for (q, z), c in self._poisson.items() if c > 0]
+        w = [(g, z, float(c)) for (g, z), c in self._wor.items() if c > 0]
+        return p, w
+
+    @property
+    def rdp(self) -> np.ndarray:
+        """Total RDP at each of :attr:`orders` (rounded up)."""
+        if self._non_private:
+            return np.full(self._orders.shape, np.inf)
+        missing_p = [k for k in self._poisson if ("p",) + k not in self._group_rdp]
+        missing_w = [k for k in self._wor if ("w",) + k not in self._group_rdp]
+        if missing_p or missing_w:
+            n = self._orders.size
+            flat = np.asarray(
+                _core.rdp_per_group(
+                    [(q, z, 1.0) for q, z in missing_p], [(g, z, 1.0) for g, z in missing_w], self._orders.tolist()
+                )
+            ).reshape(-1, n)
+            for i, k in enumerate(missing_p):
+                self._group_rdp[("p",) + k] = flat[i]
+            for i, k in enumerate(missing_w):
+                self._group_rdp[("w",) + k] = flat[len(missing_p) + i]
+        total = np.zeros(self._orders.shape)
+        groups = [(("p",) + k, c) for k, c in self._poisson.items()] + [(("w",) + k, c) for k, c in self._wor.items()]
+        for key, c in groups:
+            r = self._group_rdp[key]
+            total += np.where(r == 0, 0.0, c * r)
+        # Round the float sums up (each addition may round down by half an ulp).
+        return np.nextafter(total * (1 + 4 * (len(groups) + 1) * np.finfo(float).eps), np.inf) if groups else total
+
+    def get_epsilon_and_order(self, delta: float) -> Tuple[float, float]:
+        """(ε, α) for target δ: the smallest ε over the grid and over the real orders between
+        the best grid order's neighbours (CKS 2020 Prop. 12), and the order achieving it.
+        ε = inf when no finite guarantee exists (e.g. δ = 0 or a non-private event)."""
+        delta = _delta(delta)
+        p, w = self._groups()
+        eps, order, at_edge = _core.epsilon_composition(
+            p, w, self._non_private, self._orders.tolist(), delta, self.rdp.tolist()
+        )
+        _warn_edge(at_edge, order, self._orders)
+        return eps, order
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε for target δ; see :meth:`get_epsilon_and_order`."""
+        return self.get_epsilon_and_order(delta)[0]
+
+    def get_delta_and_order(self, epsilon: float) -> Tuple[float, float]:
+        """(δ, α) for target ε: log δ = (α − 1)(r − ε + log1p(−1/α)) − log α (CKS 2020 Prop. 12),
+        together with the KL bound δ ≤ √(1 − e^{−r}), minimised like ε."""
+        eps = _real("epsilon", epsilon)
+        if not eps >= 0:
+            raise ValueError(f"epsilon must be >= 0, got {eps}")
+        p, w = self._groups()
+        d, order, at_edge = _core.delta_composition(p, w, self._non_private, self._orders.tolist(), eps, self.rdp.tolist())
+        _warn_edge(at_edge, order, self._orders)
+        return d, order
+
+    def get_delta(self, epsilon: float) -> float:
+        """δ for target ε; see :meth:`get_delta_and_order`."""
+        return self.get_delta_and_order(epsilon)[0]
+
+
+def epsilon(
+    sampling_probability: float,
+    noise_multiplier: float,
+    steps: int,
+    delta: float,
+    orders: Optional[Sequence[float]] = None,
+) -> float:
+    """ε after ``steps`` Poisson-subsampled Gaussian steps, for target δ.
+
+    RDP by Mironov, Talwar, Zhang 2019 §3 (exact sums / quadrature), composed over steps
+    (Mironov 2017 Prop. 1), converted with CKS 2020 Prop. 12 over ``orders`` (default
+    :data:`DEFAULT_ORDERS`) and continuously between them.
+    """
+    q = _real("sampling_probability", sampling_probability)
+    z = _real("noise_multiplier", noise_multiplier)
+    s = _count("steps", steps)
+    d = _delta(delta)
+    if not 0 <= q <= 1:
+        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
+    if not z >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    o = _orders(orders)
+    if s == 0:
+        return 0.0
+    eps, order, at_edge = _core.epsilon_composition([(q, z, float(s))], [], False, o.tolist(), d)
+    _warn_edge(at_edge, order, o)
+    return eps
+
+
+def epsilon_from_rdp(orders: Sequence[float], rdp: Sequence[float], delta: float) -> Tuple[float, float]:
+    """(ε, α) from RDP values on a grid alone (no continuous search): min over the grid of
+    r + log1p(−1/α) − (log δ + log α)/(α − 1) (CKS 2020 Prop. 12) and the KL bound."""
+    o = np.asarray(orders, dtype=np.float64).ravel()
+    r = np.asarray(rdp, dtype=np.float64).ravel()
+    if o.shape != r.shape:
+        raise ValueError("orders and rdp must have the same length")
+    if o.size == 0 or np.isnan(o).any() or not (o > 1).all():
+        raise ValueError("orders must all be > 1")
+    d = _delta(delta)
+    return _core.epsilon_from_rdp(o.tolist(), r.tolist(), d)
