@@ -106,7 +106,7 @@ class _LinearFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:
         x, weight = ctx.saved_tensors
-        ctx.layer.captures.append((x, g))
+        ctx.layer.captures.append((x.detach(), g.detach()))
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
         return gx, None, None, None
 
@@ -124,7 +124,7 @@ class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, None, None]:
-        ctx.layer.captures.append((ctx.idx, g))
+        ctx.layer.captures.append((ctx.idx, g.detach()))
         return None, None, None
 
 
@@ -141,7 +141,7 @@ class _TapFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[torch.Tensor, None, None, None, None]:
-        ctx.layer.captures.append((ctx.args, ctx.kwargs, g))
+        ctx.layer.captures.append((ctx.args, ctx.kwargs, g.detach()))
         return g, None, None, None, None
 
 
@@ -526,11 +526,15 @@ class PerRecordGradients:
         for layer in self.layers:
             layer.clear()
 
+    @torch.no_grad()
     def squared_norms(self) -> Tuple[int, List[Optional[torch.Tensor]]]:
         """(B, [per-parameter squared norms (B,) float64 or None for a layer that never ran])."""
         out: List[Optional[torch.Tensor]] = []
         batch: Optional[int] = None
         for layer in self.layers:
+            first = layer.captures[0] if layer.captures else None
+            if first is not None and (first[2] if len(first) == 3 else first[1]).shape[0] == 0:
+                layer.clear()  # an empty Poisson batch: no record, nothing to clip
             if not layer.captures:
                 out.extend([None] * len(layer.params))
                 continue
@@ -546,6 +550,7 @@ class PerRecordGradients:
             out.extend(s * layer.scale**2 for s in sq)
         return (batch or 0), out
 
+    @torch.no_grad()
     def clipped_sums(self, factors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Σ_i c_i·g_i per parameter (the parameter's dtype and device); None where no record."""
         out: List[Optional[torch.Tensor]] = []

@@ -218,6 +218,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # -- the DP step ------------------------------------------------------------------
 
+    @torch.no_grad()
     def _accumulate(self) -> int:
         """Clips this micro-batch's records into the accumulators; returns its record count."""
         b, sq = self.engine.squared_norms()
@@ -231,7 +232,8 @@ class DPOptimizer(torch.optim.Optimizer):
             for k, a in zip(g.members, g.scales):
                 if sq[k] is not None:
                     tot = tot + (sq[k] if a == 1.0 else sq[k] / (a * a))
-            c = clip_factors(tot, g.clip, margin)
+            # 1/denominator folded into the factors (and the noise): the release is one add
+            c = clip_factors(tot, g.clip, margin) / g.denominator
             for k in g.members:
                 factors[k] = c
         sums = self.engine.clipped_sums(factors)
@@ -240,23 +242,24 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._acc[k] = s if self._acc[k] is None else self._acc[k].add_(s)
         return b
 
+    @torch.no_grad()
     def _release(self) -> None:
         step = self._releases
         grads: Dict[int, torch.Tensor] = {}
         for gi, g in enumerate(self._groups):
-            sd = g.gs.stddev
-            den = g.denominator
+            sd = g.gs.stddev / g.denominator
             for j, (k, a) in enumerate(zip(g.members, g.scales)):
                 p = self._params[k]
                 ndt = np.float64 if p.dtype == torch.float64 else np.float32
-                # ChaCha20 noise from the core, N(0, (α_j·σ̃)²), shared with torch without a copy
+                # ChaCha20 noise from the core, N(0, (α_j·σ̃/den)²): the noise of the sum, divided
+                # by the denominator like the clipped sum. Shared with torch without a copy on
+                # CPU; copied to the device otherwise.
                 noise = torch.from_numpy(
                     gaussian_noise(tuple(p.shape), sd * a, dtype=ndt, seed=derive_seed(self._seed, step, gi, j))
                 )
                 noise = noise.to(device=p.device, dtype=p.dtype, non_blocking=True)
                 acc = self._acc[k]
-                out = noise if acc is None else acc.add_(noise)
-                grads[k] = out.div_(den) if den != 1.0 else out
+                grads[k] = noise if acc is None else acc.add_(noise)
         events = [g.event() for g in self._groups]
         event = events[0] if self.clipping != "per_layer" else ComposedQueryEvent(tuple(events))
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
