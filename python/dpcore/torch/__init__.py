@@ -1,0 +1,118 @@
+"""dpcore.torch: DP training of any ``torch.nn.Module`` with any ``torch.optim`` optimizer.
+
+DP-SGD (Abadi et al. 2016, Algorithm 1) through dpcore's queries and privacy ledger (McMahan et
+al. 2018)::
+
+    model, optimizer, loader = dpcore.torch.make_private(
+        model, optimizer, loader, noise_multiplier=1.1, max_grad_norm=1.0, ledger=PrivacyLedger("run.jsonl"))
+    for x, y in loader:                 # Poisson samples from dpcore's ChaCha20 sampler
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward() # one backward pass captures the per-record factors
+        optimizer.step()                # clip, noise (core), ledger (fsync), then the update
+    eps = optimizer.get_epsilon(1e-5)
+
+Per-record gradients: factored norms and clipped sums for ``nn.Linear`` and ``nn.Embedding``
+(Goodfellow 2015; ghost norms of Li et al. 2022 for sequences), ``torch.func`` vmap elsewhere.
+Requires the ``torch`` extra (``pip install 'dpcore[torch]'``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..ledger import PrivacyLedger
+from ._data import DPDataLoader
+from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin
+from ._optimizer import DPOptimizer
+
+__all__ = [
+    "make_private",
+    "DPOptimizer",
+    "DPDataLoader",
+    "PerRecordGradients",
+    "FallbackWarning",
+    "clip_factors",
+    "clip_margin",
+]
+
+
+def make_private(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: DataLoader,
+    *,
+    noise_multiplier: float,
+    max_grad_norm: Any,
+    ledger: Optional[PrivacyLedger] = None,
+    clipping: str = "flat",
+    joint_scales: Any = None,
+    max_physical_batch_size: Optional[int] = None,
+    loss_reduction: str = "mean",
+    grad_sample_mode: str = "auto",
+    poisson_sampling: bool = True,
+    seed: Optional[int] = None,
+) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
+    """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
+
+    The loader becomes a :class:`DPDataLoader`: Poisson samples at q = batch_size/len(dataset),
+    one per logical step, recorded in ``ledger`` (a temporary ledger file when None; see
+    ``optimizer.ledger.path``). The optimizer becomes a :class:`DPOptimizer` with
+    ``expected_batch_size`` = q·n. The model is returned as is, with its layers' forward
+    methods instrumented (``optimizer.engine.remove()`` undoes it). With
+    ``poisson_sampling=False`` the loader is kept and every batch is recorded as a ``shuffle``
+    sample (accounted without amplification). ``seed`` is for tests only (no privacy).
+    """
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    if ledger is None:
+        import os
+        import tempfile
+
+        ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl"))
+    if poisson_sampling:
+        loader: Any = DPDataLoader.from_data_loader(
+            data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed
+        )
+        expected = loader.expected_batch_size
+    else:
+        if max_physical_batch_size is not None:
+            raise ValueError("max_physical_batch_size needs poisson_sampling=True")
+        loader = _ShuffledLoader(data_loader, ledger)
+        expected = float(data_loader.batch_size or 1)
+    opt = DPOptimizer(
+        optimizer,
+        model=model,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=expected,
+        ledger=ledger,
+        clipping=clipping,
+        joint_scales=joint_scales,
+        loss_reduction=loss_reduction,
+        grad_sample_mode=grad_sample_mode,
+        data_loader=loader,
+        seed=seed,
+    )
+    return model, opt, loader
+
+
+class _ShuffledLoader:
+    """A plain DataLoader whose batches are recorded as ``shuffle`` samples (no amplification)."""
+
+    def __init__(self, data_loader: DataLoader, ledger: PrivacyLedger) -> None:
+        self.data_loader, self.ledger = data_loader, ledger
+        self.samples_drawn = 0
+        self.logical_batch_complete = True
+
+    def __len__(self) -> int:
+        return len(self.data_loader)
+
+    def __iter__(self) -> Any:
+        n = len(self.data_loader.dataset)  # type: ignore[arg-type]
+        for batch in self.data_loader:
+            self.ledger.record_sample(n, None, "shuffle")
+            self.samples_drawn += 1
+            yield batch

@@ -1,0 +1,302 @@
+"""DPOptimizer: any ``torch.optim`` optimizer turned into its DP version (DP-SGD, DP-Adam, ...).
+
+Abadi et al. 2016, Algorithm 1, in the query/ledger architecture of McMahan et al. 2018: each
+record's gradient is clipped (flat, per-layer or joint clipping, §2 of McMahan et al.), the
+clipped gradients are summed, Gaussian noise from dpcore's ChaCha20 core is added with the
+stddevs of a :mod:`dpcore.queries` query, the release is written durably to the privacy ledger,
+and only then is the noised average handed to the wrapped optimizer's update rule.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import tempfile
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..ledger import PrivacyLedger
+from ..mechanism import gaussian_noise
+from ..queries import (
+    GaussianAverageQuery,
+    JointClipQuery,
+    NestedQuery,
+    per_layer_clip_norms,
+    proportional_noise,
+)
+from ..queries.base import derive_seed
+from ..queries.events import ComposedQueryEvent, SumQueryEvent
+from ._engine import PerRecordGradients, clip_factors, clip_margin
+
+__all__ = ["DPOptimizer"]
+
+CLIPPING = ("flat", "per_layer", "joint")
+
+
+def _positive(name: str, v: Any, allow_zero: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {v}")
+    return v
+
+
+class _Group:
+    """One Gaussian sum query over some parameters: clip S_g, the query, its global state."""
+
+    def __init__(self, query: Any, members: List[int], scales: List[float]) -> None:
+        self.query = query
+        self.gs = query.initial_global_state()
+        self.members = members
+        self.scales = scales
+
+    @property
+    def clip(self) -> float:
+        return float(self.query.derive_sample_params(self.gs))
+
+    def event(self) -> SumQueryEvent:
+        # Exactly the event GaussianSumQuery.get_noised_result reports for records clipped to
+        # the query's bound: (S_g, σ̃_g) (tests/test_torch.py checks the two agree).
+        return SumQueryEvent(self.clip, self.gs.stddev)
+
+    @property
+    def denominator(self) -> float:
+        return float(self.query._denominator())
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that each logical step releases a DP average gradient.
+
+    * ``model``: the module whose parameters ``optimizer`` trains; per-record gradients are
+      captured during the ordinary ``loss.backward()`` (see :mod:`dpcore.torch._engine`).
+    * ``noise_multiplier`` z and ``max_grad_norm`` C; ``expected_batch_size`` q·n divides the
+      noised sum (the fixed-denominator estimator, McMahan et al. 2018 §3).
+    * ``clipping``: ``"flat"`` (the record's joint norm over all parameters ≤ C, noise z·C; a
+      :class:`GaussianAverageQuery`), ``"per_layer"`` (each parameter tensor clipped to C_p, C_p =
+      C/√m unless ``max_grad_norm`` is a list, noise z·√m·C_p; a :class:`NestedQuery`, Eq. (1)
+      gives z), or ``"joint"`` (:class:`JointClipQuery` with ``joint_scales`` α_p per tensor).
+    * ``ledger``: a :class:`dpcore.PrivacyLedger`; each release is written (fsync) before the
+      noised gradient reaches ``.grad``. ``get_epsilon(delta)`` reads it.
+    * ``data_loader``: a :class:`DPDataLoader`; with micro-batches, :meth:`step` accumulates and
+      releases only when its logical batch is complete (virtual batches).
+    * ``grad_sample_mode``: ``"auto"`` (factored fast path for Linear/Embedding) or ``"generic"``.
+    * ``seed``: tests only (the noise becomes predictable: no privacy).
+
+    Call ``loss.backward()`` then :meth:`step` for every (micro-)batch; an empty Poisson batch
+    must be stepped too (it releases pure noise).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model: torch.nn.Module,
+        noise_multiplier: float,
+        max_grad_norm: Any,
+        expected_batch_size: float,
+        ledger: Optional[PrivacyLedger] = None,
+        clipping: str = "flat",
+        joint_scales: Optional[Sequence[float]] = None,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "auto",
+        data_loader: Any = None,
+        seed: Optional[int] = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DPOptimizer):
+            raise TypeError("optimizer is already a DPOptimizer")
+        if clipping not in CLIPPING:
+            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        z = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
+        den = _positive("expected_batch_size", expected_batch_size)
+        if ledger is None:
+            ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl"))
+        if not isinstance(ledger, PrivacyLedger):
+            raise TypeError(f"ledger must be a dpcore.PrivacyLedger or None, got {type(ledger).__name__}")
+        self.original_optimizer = optimizer
+        self.ledger = ledger
+        self.noise_multiplier = z
+        self.expected_batch_size = den
+        self.clipping = clipping
+        self.data_loader = data_loader
+        self._seed = seed
+        self._releases = 0
+        self._drawn_at_release = 0
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.engine = PerRecordGradients(model, params, mode=grad_sample_mode, loss_reduction=loss_reduction)
+        order = self.engine.param_order
+        self.param_names = [name for *_, name in order]
+        self._params = [p for _, _, p, _ in order]
+        m = len(order)
+        if m == 0:
+            raise ValueError("the optimizer has no trainable parameter in the model")
+        if clipping == "per_layer":
+            if isinstance(max_grad_norm, (list, tuple)):
+                if len(max_grad_norm) != m:
+                    raise ValueError(f"max_grad_norm has {len(max_grad_norm)} values but there are {m} parameter tensors")
+                clips = [_positive(f"max_grad_norm[{k}]", c) for k, c in enumerate(max_grad_norm)]
+            else:
+                clips = per_layer_clip_norms(_positive("max_grad_norm", max_grad_norm), m)
+            sds = proportional_noise(z, clips)
+            nested = NestedQuery({n: GaussianAverageQuery(c, sd, den) for n, c, sd in zip(self.param_names, clips, sds)})
+            self.query: Any = nested
+            self._groups = [_Group(q, [k], [1.0]) for k, q in enumerate(nested._queries)]
+        else:
+            c = _positive("max_grad_norm", max_grad_norm)
+            if clipping == "flat":
+                self.query = GaussianAverageQuery(c, z * c, den)
+                scales = [1.0] * m
+            else:
+                if joint_scales is None or len(joint_scales) != m:
+                    raise ValueError(f"clipping='joint' needs joint_scales with one scale per parameter tensor ({m})")
+                self.query = JointClipQuery(list(joint_scales), c, z * c, denominator=den)
+                scales = list(self.query._scales)
+            self._groups = [_Group(self.query, list(range(m)), scales)]
+        self._margins = [
+            clip_margin(sum(self._params[k].numel() for k in g.members), self._params[g.members[0]].dtype)
+            for g in self._groups
+        ]
+        self._acc: List[Optional[torch.Tensor]] = [None] * m
+        self._records = 0
+        # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self.last_step_released = False
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, v: Any) -> None:
+        self.original_optimizer.param_groups = v
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        self.original_optimizer.state = v
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise RuntimeError("add parameter groups before wrapping: the per-record capture is set up at construction")
+
+    def __repr__(self) -> str:
+        return (
+            f"DPOptimizer({type(self.original_optimizer).__name__}, noise_multiplier={self.noise_multiplier}, "
+            f"clipping={self.clipping!r}, ledger={self.ledger.path!r})"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears ``.grad`` and the captured activations (not the accumulated micro-batches)."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.engine.clear()
+
+    def get_epsilon(self, delta: float, **kw: Any) -> float:
+        """ε of everything released so far at ``delta``, from the ledger (an upper bound)."""
+        return self.ledger.get_epsilon(delta, **kw)
+
+    # -- the DP step ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _accumulate(self) -> int:
+        """Clips this micro-batch's records into the accumulators; returns its record count."""
+        b, sq = self.engine.squared_norms()
+        if b == 0:
+            self.engine.clear()
+            return 0
+        dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
+        factors: List[Optional[torch.Tensor]] = [None] * len(sq)
+        for g, margin in zip(self._groups, self._margins):
+            tot = torch.zeros(b, dtype=torch.float64, device=dev)
+            for k, a in zip(g.members, g.scales):
+                if sq[k] is not None:
+                    tot = tot + (sq[k] if a == 1.0 else sq[k] / (a * a))
+            # 1/denominator folded into the factors (and the noise): the release is one add
+            c = clip_factors(tot, g.clip, margin) / g.denominator
+            for k in g.members:
+                factors[k] = c
+        sums = self.engine.clipped_sums(factors)
+        for k, s in enumerate(sums):
+            if s is not None:
+                self._acc[k] = s if self._acc[k] is None else self._acc[k].add_(s)
+        return b
+
+    @torch.no_grad()
+    def _release(self) -> None:
+        step = self._releases
+        grads: Dict[int, torch.Tensor] = {}
+        for gi, g in enumerate(self._groups):
+            sd = g.gs.stddev / g.denominator
+            for j, (k, a) in enumerate(zip(g.members, g.scales)):
+                p = self._params[k]
+                ndt = np.float64 if p.dtype == torch.float64 else np.float32
+                # ChaCha20 noise from the core, N(0, (α_j·σ̃/den)²): the noise of the sum, divided
+                # by the denominator like the clipped sum. Shared with torch without a copy on
+                # CPU; copied to the device otherwise.
+                noise = torch.from_numpy(
+                    gaussian_noise(tuple(p.shape), sd * a, dtype=ndt, seed=derive_seed(self._seed, step, gi, j))
+                )
+                noise = noise.to(device=p.device, dtype=p.dtype, non_blocking=True)
+                acc = self._acc[k]
+                grads[k] = noise if acc is None else acc.add_(noise)
+        events = [g.event() for g in self._groups]
+        event = events[0] if self.clipping != "per_layer" else ComposedQueryEvent(tuple(events))
+        # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
+        self.ledger.record_release(event)
+        self._releases += 1
+        for k, gr in grads.items():
+            self._params[k].grad = gr
+        self._acc = [None] * len(self._acc)
+
+    def _logical_complete(self) -> bool:
+        dl = self.data_loader
+        return True if dl is None else bool(getattr(dl, "logical_batch_complete", True))
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Clips the records of the last backward pass; at the end of a logical batch adds noise,
+        records the release in the ledger and applies the wrapped optimizer's update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._records += self._accumulate()
+        if not self._logical_complete():
+            for p in self._params:
+                p.grad = None
+            self.last_step_released = False
+            return loss
+        dl = self.data_loader
+        drawn = getattr(dl, "samples_drawn", None)
+        if drawn is not None:
+            if drawn <= self._drawn_at_release:
+                raise RuntimeError(
+                    "no new Poisson sample since the last release: call step() once per (micro-)batch that the "
+                    "DPDataLoader yields, never twice for one batch"
+                )
+            self._drawn_at_release = drawn
+        self._release()
+        self._records = 0
+        self.original_optimizer.step()
+        self.last_step_released = True
+        return loss

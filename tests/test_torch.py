@@ -1,0 +1,384 @@
+"""dpcore.torch: factored fast path == generic vmap path == numpy reference; clip bounds; the
+ledger per logical step; Poisson loader; frozen/shared parameters; fallback notice; errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import dpcore  # noqa: E402
+from dpcore.queries import GaussianAverageQuery, NestedQuery  # noqa: E402
+from dpcore.queries.base import SumState  # noqa: E402
+from dpcore.torch import DPDataLoader, DPOptimizer, FallbackWarning, PerRecordGradients, make_private  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class SeqNet(nn.Module):
+    """Embedding -> Linear on a sequence (ghost norms) -> LayerNorm (generic) -> Linear."""
+
+    def __init__(self, vocab=13, d=6, h=5, k=3, padding_idx=0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=padding_idx)
+        self.l1 = nn.Linear(d, h)
+        self.ln = nn.LayerNorm(h)
+        self.out = nn.Linear(h, k)
+
+    def forward(self, idx):
+        h = self.ln(torch.tanh(self.l1(self.emb(idx))))
+        return self.out(h.mean(1))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 4))
+
+
+def reference_per_record(model, x, y):
+    """Per-record gradients by torch.func over the whole model (float64 copy), as numpy."""
+    from torch.func import functional_call, grad, vmap
+
+    import copy
+
+    m = copy.deepcopy(model).double()
+    params = {k: v.detach() for k, v in m.named_parameters() if v.requires_grad}
+
+    def loss(p, xi, yi):
+        out = functional_call(m, p, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    xs = x.double() if x.is_floating_point() else x
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, xs, y)
+    return {k: v.numpy() for k, v in g.items()}
+
+
+def captured(model, x, y, mode):
+    eng = PerRecordGradients(model, list(model.parameters()), mode=mode, loss_reduction="sum")
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    b, sq = eng.squared_norms()
+    names = [n for *_, n in eng.param_order]
+    c = torch.linspace(0.1, 1.0, b, dtype=torch.float64)
+    sums = eng.clipped_sums([c] * len(sq))
+    eng.remove()
+    return names, [s.numpy() for s in sq], [s.detach().numpy() for s in sums], c.numpy()
+
+
+@pytest.mark.parametrize(
+    "make,inputs",
+    [
+        (mlp, lambda: (torch.randn(11, 7), torch.randint(0, 4, (11,)))),
+        (SeqNet, lambda: (torch.randint(0, 13, (8, 10)), torch.randint(0, 3, (8,)))),
+    ],
+)
+def test_fast_path_equals_generic_and_numpy(make, inputs):
+    torch.manual_seed(1)
+    model = make()
+    x, y = inputs()
+    ref = reference_per_record(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        fast = captured(model, x, y, "auto")
+    gen = captured(model, x, y, "generic")
+    assert fast[0] == gen[0]
+    for name, sq_f, sq_g, s_f, s_g in zip(fast[0], fast[1], gen[1], fast[2], gen[2]):
+        r = ref[name].reshape(len(y), -1)
+        ref_sq = (r * r).sum(1)
+        # the fast path's norms are upper bounds with a tiny rounding allowance
+        np.testing.assert_allclose(sq_f, ref_sq, rtol=2e-5, atol=1e-9, err_msg=name)
+        np.testing.assert_allclose(sq_g, ref_sq, rtol=2e-5, atol=1e-9, err_msg=name)
+        ref_sum = np.tensordot(fast[3], ref[name], axes=([0], [0]))
+        np.testing.assert_allclose(s_f, ref_sum, rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(s_g, ref_sum, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_long_sequence_uses_materialised_norms():
+    # T·(din+dout) > din·dout selects the materialised branch; it must agree with the reference
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Flatten(), nn.Linear(3 * 40, 2))
+    x, y = torch.randn(5, 40, 2), torch.randint(0, 2, (5,))
+    ref = reference_per_record(model, x, y)
+    names, sq, sums, c = captured(model, x, y, "auto")
+    for n, s, cs in zip(names, sq, sums):
+        r = ref[n].reshape(5, -1)
+        np.testing.assert_allclose(s, (r * r).sum(1), rtol=2e-5, err_msg=n)
+        np.testing.assert_allclose(cs, np.tensordot(c, ref[n], axes=([0], [0])), rtol=1e-4, atol=1e-6)
+
+
+def test_clipped_records_within_bound_and_match_core():
+    # noise_multiplier = 0: the release is exactly the clipped average; compare with the core
+    torch.manual_seed(3)
+    model = mlp()
+    x, y = torch.randn(16, 7) * 10, torch.randint(0, 4, (16,))
+    ref = reference_per_record(model, x, y)
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    led = dpcore.PrivacyLedger(str(tmp_ledger()))
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=0.0,
+                      max_grad_norm=0.5, expected_batch_size=16.0, ledger=led, loss_reduction="sum")
+    led.record_sample(100, 0.16)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    opt.step()
+    core_sum, norms = dpcore.clip_sum([ref[n].reshape(16, -1) for n in names], 0.5)
+    assert norms.max() > 0.5  # clipping is active
+    for n, p, cs in zip(names, model.parameters(), core_sum):
+        np.testing.assert_allclose(p.grad.numpy().reshape(-1), cs / 16.0, rtol=1e-4, atol=1e-6)
+    # each record's clipped contribution is <= C
+    eng = opt.engine
+    c = dpcore.torch.clip_factors(torch.from_numpy(norms**2), 0.5, opt._margins[0])
+    assert float((c.numpy() * norms).max()) <= 0.5
+
+
+def tmp_ledger():
+    import tempfile, os
+
+    return os.path.join(tempfile.mkdtemp(prefix="dpcore-test-"), "ledger.jsonl")
+
+
+def ledger_entries(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f][1:]
+
+
+def digits_like(n=64, d=7, k=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, d, generator=g), torch.randint(0, k, (n,), generator=g))
+
+
+def test_make_private_ledger_per_logical_step_with_virtual_batches():
+    torch.manual_seed(4)
+    ds = digits_like(64)
+    path = tmp_ledger()
+    led = dpcore.PrivacyLedger(path)
+    model = mlp()
+    model, opt, dl = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  torch.utils.data.DataLoader(ds, batch_size=32), noise_multiplier=1.3,
+                                  max_grad_norm=1.0, ledger=led, max_physical_batch_size=5, seed=7)
+    assert isinstance(dl, DPDataLoader) and dl.sample_rate == 0.5 and len(dl) == 2
+    micro = releases = 0
+    before = [p.detach().clone() for p in model.parameters()]
+    for x, y in dl:
+        assert len(x) <= 5
+        micro += 1
+        opt.zero_grad()
+        if len(x):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        releases += opt.last_step_released
+        if not opt.last_step_released:  # accumulating: parameters unchanged
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        else:
+            before = [p.detach().clone() for p in model.parameters()]
+    assert releases == 2 and micro > 2
+    ents = ledger_entries(path)
+    samples = [e for e in ents if e["type"] == "sample"]
+    queries = [e for e in ents if e["type"] == "sum_query"]
+    assert len(samples) == 2 and len(queries) == 2
+    assert samples[0]["policy"] == "poisson" and samples[0]["sampling_probability"] == 0.5
+    assert queries[0]["l2_norm_clip"] == 1.0 and queries[0]["stddev"] == pytest.approx(1.3)
+
+
+def test_virtual_batches_equal_one_physical_batch():
+    # micro-batched accumulation == the same logical batch in one piece (same seeded noise)
+    ds = digits_like(40, seed=5)
+    grads = []
+    for mpb in (None, 3):
+        torch.manual_seed(5)
+        model = mlp()
+        led = dpcore.PrivacyLedger(tmp_ledger())
+        model, opt, dl = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      torch.utils.data.DataLoader(ds, batch_size=20), noise_multiplier=1.0,
+                                      max_grad_norm=0.3, ledger=led, max_physical_batch_size=mpb, seed=11)
+        dl.steps = 1
+        for x, y in dl:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y, reduction="mean").backward()
+            if opt.data_loader.logical_batch_complete:
+                opt.original_optimizer.step = lambda: None  # keep .grad for the comparison
+            opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_poisson_batch_releases_pure_noise():
+    ds = digits_like(30)
+    led = dpcore.PrivacyLedger(tmp_ledger())
+    dl = DPDataLoader(ds, 1e-9, ledger=led, steps=1)
+    model = mlp()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=2.0,
+                      max_grad_norm=1.0, expected_batch_size=dl.expected_batch_size, ledger=led, data_loader=dl)
+    for x, y in dl:
+        assert x.shape == (0, 7) and y.shape == (0,)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()  # NaN loss over no records: no record enters
+        opt.step()
+    assert led.num_releases == 1
+    g = model[0].weight.grad
+    assert torch.isfinite(g).all() and float(g.std()) > 0  # pure noise, std 2·1/(q·n)
+
+
+def test_release_event_matches_query():
+    # the ledger's privacy tuple is the one GaussianSumQuery.get_noised_result reports
+    model = mlp()
+    for clipping in ("flat", "per_layer"):
+        led = dpcore.PrivacyLedger(tmp_ledger())
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=1.1,
+                          max_grad_norm=2.0, expected_batch_size=8.0, ledger=led, clipping=clipping)
+        led.record_sample(80, 0.1)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(8, 7)), torch.randint(0, 4, (8,))).backward()
+        opt.step()
+        q = opt.query
+        gs = q.initial_global_state()
+        template = [np.zeros(p.shape, np.float32) for p in model.parameters()]
+        if isinstance(q, NestedQuery):
+            tmpl = {n: t for n, t in zip(opt.param_names, template)}
+            st = q.initial_sample_state(tmpl)
+            st = q.accumulate_records(q.derive_sample_params(gs), st, {n: t[None] for n, t in tmpl.items()})
+        else:
+            st = q.initial_sample_state(template)
+            st = q.accumulate_records(q.derive_sample_params(gs), st, [t[None] for t in template])
+        _, _, ev = q.get_noised_result(st, gs)
+        rec = led.samples[-1].queries
+        assert rec == ev.privacy_tuples()
+        assert led.samples[-1].noise_multiplier() == pytest.approx(1.1, rel=1e-9)
+        opt.engine.remove()
+
+
+def test_frozen_parameters_are_skipped():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    led = dpcore.PrivacyLedger(tmp_ledger())
+    opt = DPOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), model=model,
+                      noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, ledger=led)
+    assert opt.param_names == ["0.bias", "2.weight", "2.bias"]
+    led.record_sample(40, 0.1)
+    nn.functional.cross_entropy(model(torch.randn(4, 7)), torch.randint(0, 4, (4,))).backward()
+    opt.step()
+    assert model[0].weight.grad is None and model[0].bias.grad is not None
+
+
+def test_shared_parameters_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    model = nn.Sequential(a, b)
+    with pytest.raises(ValueError, match="shared across layers"):
+        PerRecordGradients(model, list(model.parameters()))
+
+
+def test_reused_module_is_handled():
+    # one Linear applied twice: its per-record gradient sums both uses (a longer "sequence")
+    torch.manual_seed(6)
+    lin = nn.Linear(3, 3)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(x)))
+
+    model = Twice()
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    ref = reference_per_record(model, x, y)
+    names, sq, sums, c = captured(model, x, y, "auto")
+    for n, s in zip(names, sq):
+        r = ref[n].reshape(6, -1)
+        np.testing.assert_allclose(s, (r * r).sum(1), rtol=2e-5)
+
+
+def test_fallback_notice_once():
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4, 2), nn.GroupNorm(1, 2))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng = PerRecordGradients(model, list(model.parameters()))
+    msgs = [str(x.message) for x in w if issubclass(x.category, FallbackWarning)]
+    assert len(msgs) == 1 and "Conv1d" in msgs[0] and "GroupNorm" in msgs[0] and "Linear" not in msgs[0]
+    kinds = {l.name: l.kind for l in eng.layers}
+    assert kinds == {"0": "generic", "2": "linear", "3": "generic"}
+    eng.remove()
+
+
+def test_conv_generic_path_matches_reference():
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    x, y = torch.randn(5, 1, 6, 6), torch.randint(0, 3, (5,))
+    ref = reference_per_record(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        names, sq, sums, c = captured(model, x, y, "auto")
+    for n, s, cs in zip(names, sq, sums):
+        r = ref[n].reshape(5, -1)
+        np.testing.assert_allclose(s, (r * r).sum(1), rtol=2e-5, err_msg=n)
+        np.testing.assert_allclose(cs, np.tensordot(c, ref[n], axes=([0], [0])), rtol=1e-4, atol=1e-6)
+
+
+def test_non_finite_record_named():
+    model = mlp()
+    led = dpcore.PrivacyLedger(tmp_ledger())
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, noise_multiplier=1.0,
+                      max_grad_norm=1.0, expected_batch_size=4.0, ledger=led)
+    x = torch.randn(4, 7)
+    x[2, 1] = float("nan")
+    led.record_sample(40, 0.1)
+    nn.functional.cross_entropy(model(x), torch.randint(0, 4, (4,))).backward()
+    with pytest.raises(ValueError, match="record 2"):
+        opt.step()
+    assert led.num_releases == 0
+
+
+def test_batchnorm_refused():
+    with pytest.raises(ValueError, match="BatchNorm"):
+        PerRecordGradients(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), [])
+
+
+def test_get_epsilon_reads_ledger():
+    pytest.importorskip("dpcore.accounting")
+    ds = digits_like(50)
+    model = mlp()
+    led = dpcore.PrivacyLedger(tmp_ledger())
+    model, opt, dl = make_private(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                  torch.utils.data.DataLoader(ds, batch_size=10), noise_multiplier=1.0,
+                                  max_grad_norm=1.0, ledger=led)
+    for x, y in dl:
+        opt.zero_grad()
+        if len(x):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert led.num_releases == 5
+    eps = opt.get_epsilon(1e-5)
+    assert eps == led.get_epsilon(1e-5) and 0 < eps < math.inf
+    # more steps cost more
+    for x, y in dl:
+        opt.zero_grad()
+        if len(x):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.get_epsilon(1e-5) > eps
+
+
+def test_lr_scheduler_and_bad_args():
+    model = mlp()
+    led = dpcore.PrivacyLedger(tmp_ledger())
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, noise_multiplier=1.0,
+                      max_grad_norm=1.0, expected_batch_size=4.0, ledger=led)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    led.record_sample(40, 0.1)
+    nn.functional.cross_entropy(model(torch.randn(4, 7)), torch.randint(0, 4, (4,))).backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    opt.engine.remove()
+    with pytest.raises(ValueError, match="clipping"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, noise_multiplier=1.0,
+                    max_grad_norm=1.0, expected_batch_size=4.0, ledger=led, clipping="nope")
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, noise_multiplier=-1.0,
+                    max_grad_norm=1.0, expected_batch_size=4.0, ledger=led)
