@@ -52,6 +52,28 @@ fn rdp_per_group(py: Python<'_>, poisson: Groups, wor: Groups, orders: Vec<f64>)
     Ok(PyArray1::from_vec(py, v).into_any().unbind())
 }
 
+/// Builds the composition, takes its RDP on the grid (unless given), and runs one conversion.
+fn convert<C>(
+    py: Python<'_>,
+    poisson: Groups,
+    wor: Groups,
+    non_private: bool,
+    orders: Vec<f64>,
+    rdp: Option<Vec<f64>>,
+    conv: C,
+) -> PyResult<(f64, f64, bool)>
+where
+    C: FnOnce(&[f64], &[f64], &dyn Fn(f64) -> f64) -> crate::DpResult<conversion::Optimum> + Send,
+{
+    detached(py, || {
+        crate::accounting::check_orders(&orders)?;
+        let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
+        let grid = rdp.unwrap_or_else(|| c.rdp_grid(&orders));
+        let o = conv(&orders, &grid, &|a| c.rdp(a))?;
+        Ok((o.value, o.order, o.at_edge))
+    })
+}
+
 /// (ε, best order, best order at the grid's edge) for a composition. `rdp`: the composition's
 /// values on `orders` if already known (else computed).
 #[pyfunction]
@@ -65,13 +87,7 @@ fn epsilon_composition(
     delta: f64,
     rdp: Option<Vec<f64>>,
 ) -> PyResult<(f64, f64, bool)> {
-    detached(py, || {
-        crate::accounting::check_orders(&orders)?;
-        let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
-        let grid = rdp.unwrap_or_else(|| c.rdp_grid(&orders));
-        let o = conversion::epsilon(&orders, &grid, |a| c.rdp(a), delta)?;
-        Ok((o.value, o.order, o.at_edge))
-    })
+    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| conversion::epsilon(o, g, f, delta))
 }
 
 /// (δ, best order, at edge) for a composition at `epsilon`.
@@ -86,13 +102,7 @@ fn delta_composition(
     epsilon: f64,
     rdp: Option<Vec<f64>>,
 ) -> PyResult<(f64, f64, bool)> {
-    detached(py, || {
-        crate::accounting::check_orders(&orders)?;
-        let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
-        let grid = rdp.unwrap_or_else(|| c.rdp_grid(&orders));
-        let o = conversion::delta(&orders, &grid, |a| c.rdp(a), epsilon)?;
-        Ok((o.value, o.order, o.at_edge))
-    })
+    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| conversion::delta(o, g, f, epsilon))
 }
 
 /// (ε, best order) from RDP values on a grid alone: no continuous search (nothing is known
