@@ -30,7 +30,10 @@ const SUMSQ_TINY: f64 = 1e-280;
 
 pub fn check_clip(l2_norm_clip: f64) -> DpResult<()> {
     if !(l2_norm_clip.is_finite() && l2_norm_clip > 0.0) {
-        return Err(DpError::param("l2_norm_clip", format!("must be finite and > 0, got {l2_norm_clip}")));
+        return Err(DpError::param(
+            "l2_norm_clip",
+            format!("must be finite and > 0, got {l2_norm_clip}"),
+        ));
     }
     Ok(())
 }
@@ -55,7 +58,11 @@ fn column_blocks(records: &Records) -> Vec<Block> {
         let mut s = 0;
         while s < p.width {
             let len = BLOCK.min(p.width - s);
-            out.push(Block { part: k, start: s, len });
+            out.push(Block {
+                part: k,
+                start: s,
+                len,
+            });
             s += len;
         }
     }
@@ -142,13 +149,21 @@ fn careful_norm(records: &Records, r: usize) -> DpResult<f64> {
 
 /// 1/α² per block; exactly 1 for flat clipping, so flat results do not depend on the scales path.
 fn block_weights(records: &Records, blocks: &[Block]) -> Vec<f64> {
-    blocks.iter().map(|b| 1.0 / records.parts[b.part].scale.powi(2)).collect()
+    blocks
+        .iter()
+        .map(|b| 1.0 / records.parts[b.part].scale.powi(2))
+        .collect()
 }
 
 /// A record's norm from its per-block sums of squares, added in block order (the one summation
 /// order every path uses, so all paths give the same norms). Non-finite or tiny sums are
 /// re-examined.
-fn norm_from_blocks(records: &Records, r: usize, sums: impl Iterator<Item = f64>, weights: &[f64]) -> DpResult<f64> {
+fn norm_from_blocks(
+    records: &Records,
+    r: usize,
+    sums: impl Iterator<Item = f64>,
+    weights: &[f64],
+) -> DpResult<f64> {
     let s: f64 = sums.zip(weights).map(|(p, w)| p * w).sum();
     if s.is_finite() && s >= SUMSQ_TINY {
         Ok(s.sqrt())
@@ -158,7 +173,13 @@ fn norm_from_blocks(records: &Records, r: usize, sums: impl Iterator<Item = f64>
 }
 
 /// Phase 1 for rows [r0, r1): their L2 norms, or the first record that is not finite.
-fn tile_norms(records: &Records, blocks: &[Block], r0: usize, r1: usize, par: bool) -> DpResult<Vec<f64>> {
+fn tile_norms(
+    records: &Records,
+    blocks: &[Block],
+    r0: usize,
+    r1: usize,
+    par: bool,
+) -> DpResult<Vec<f64>> {
     let nb = blocks.len();
     let mut partial = vec![0.0f64; (r1 - r0) * nb];
     let fill = |(i, out): (usize, &mut f64)| {
@@ -166,21 +187,42 @@ fn tile_norms(records: &Records, blocks: &[Block], r0: usize, r1: usize, par: bo
         *out = block_sumsq(records, r, &blocks[b]);
     };
     if par {
-        partial.par_iter_mut().with_min_len(8).enumerate().for_each(fill);
+        partial
+            .par_iter_mut()
+            .with_min_len(8)
+            .enumerate()
+            .for_each(fill);
     } else {
         partial.iter_mut().enumerate().for_each(fill);
     }
     let weights = block_weights(records, blocks);
     (r0..r1)
-        .map(|r| norm_from_blocks(records, r, partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().copied(), &weights))
+        .map(|r| {
+            norm_from_blocks(
+                records,
+                r,
+                partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().copied(),
+                &weights,
+            )
+        })
         .collect()
 }
 
 /// Phase 2 for rows [r0, r0 + factors.len()): sums += Σ_r f_r·x_r, block by block.
-fn tile_accumulate(records: &Records, blocks: &[Block], acc: &mut [&mut [f64]], r0: usize, factors: &[f64], par: bool) {
+fn tile_accumulate(
+    records: &Records,
+    blocks: &[Block],
+    acc: &mut [&mut [f64]],
+    r0: usize,
+    factors: &[f64],
+    par: bool,
+) {
     fn add<T: Elem>(acc: &mut [f64], x: &[T], width: usize, b: &Block, r0: usize, factors: &[f64]) {
-        let rows: Vec<(f64, &[T])> =
-            factors.iter().enumerate().map(|(i, &f)| (f, row(x, width, r0 + i, b))).collect();
+        let rows: Vec<(f64, &[T])> = factors
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| (f, row(x, width, r0 + i, b)))
+            .collect();
         kernels::axpy_rows(acc, &rows);
     }
     let work = |(a, b): (&mut &mut [f64], &Block)| {
@@ -235,7 +277,10 @@ pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
         while r0 < records.batch {
             let r1 = (r0 + step).min(records.batch);
             let tile = tile_norms(records, &blocks, r0, r1, par)?;
-            let factors: Vec<f64> = tile.iter().map(|&n| clip_factor(n, l2_norm_clip, margin)).collect();
+            let factors: Vec<f64> = tile
+                .iter()
+                .map(|&n| clip_factor(n, l2_norm_clip, margin))
+                .collect();
             tile_accumulate(records, &blocks, &mut acc, r0, &factors, par);
             norms.extend(tile);
             r0 = r1;
@@ -259,16 +304,28 @@ mod tests {
     }
 
     fn pseudo(n: usize, seed: u64) -> Vec<f32> {
-        (0..n).map(|i| (((i as u64 + 1) * 2654435761 + seed) % 1000) as f32 / 100.0 - 5.0).collect()
+        (0..n)
+            .map(|i| (((i as u64 + 1) * 2654435761 + seed) % 1000) as f32 / 100.0 - 5.0)
+            .collect()
     }
 
-    fn reference(batch: usize, widths: &[usize], data: &[Vec<f32>], c: f64) -> (Vec<Vec<f64>>, Vec<f64>) {
+    fn reference(
+        batch: usize,
+        widths: &[usize],
+        data: &[Vec<f32>],
+        c: f64,
+    ) -> (Vec<Vec<f64>>, Vec<f64>) {
         let norms: Vec<f64> = (0..batch)
             .map(|r| {
                 widths
                     .iter()
                     .zip(data)
-                    .map(|(&w, d)| d[r * w..(r + 1) * w].iter().map(|v| (*v as f64).powi(2)).sum::<f64>())
+                    .map(|(&w, d)| {
+                        d[r * w..(r + 1) * w]
+                            .iter()
+                            .map(|v| (*v as f64).powi(2))
+                            .sum::<f64>()
+                    })
                     .sum::<f64>()
                     .sqrt()
             })
@@ -278,7 +335,11 @@ mod tests {
             .zip(data)
             .map(|(&w, d)| {
                 (0..w)
-                    .map(|j| (0..batch).map(|r| (c / norms[r]).min(1.0) * d[r * w + j] as f64).sum())
+                    .map(|j| {
+                        (0..batch)
+                            .map(|r| (c / norms[r]).min(1.0) * d[r * w + j] as f64)
+                            .sum()
+                    })
                     .collect()
             })
             .collect();
@@ -287,8 +348,17 @@ mod tests {
 
     #[test]
     fn matches_reference_over_shapes() {
-        for (batch, widths) in [(1, vec![3]), (5, vec![1, 7]), (33, vec![5000, 3, 9000]), (3, vec![0, 4])] {
-            let data: Vec<Vec<f32>> = widths.iter().enumerate().map(|(k, &w)| pseudo(batch * w, k as u64)).collect();
+        for (batch, widths) in [
+            (1, vec![3]),
+            (5, vec![1, 7]),
+            (33, vec![5000, 3, 9000]),
+            (3, vec![0, 4]),
+        ] {
+            let data: Vec<Vec<f32>> = widths
+                .iter()
+                .enumerate()
+                .map(|(k, &w)| pseudo(batch * w, k as u64))
+                .collect();
             let rec = f32_records(batch, &widths, &data);
             let out = clip_sum(&rec, 3.0).unwrap();
             let (sums, norms) = reference(batch, &widths, &data, 3.0);
@@ -312,7 +382,11 @@ mod tests {
             for c in [1e-6, 0.1, 1.0, 3.3] {
                 let out = clip_sum(&rec, c).unwrap();
                 let as_f32: Vec<f32> = out.sums[0].iter().map(|v| *v as f32).collect();
-                let n = as_f32.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+                let n = as_f32
+                    .iter()
+                    .map(|v| (*v as f64).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
                 assert!(n <= c, "norm {n} > clip {c}");
             }
         }
@@ -324,7 +398,10 @@ mod tests {
         d[3 * 8 + 2] = f32::NAN;
         d[6 * 8] = f32::INFINITY;
         let rec = f32_records(7, &[8], &[d]);
-        assert_eq!(clip_sum(&rec, 1.0).unwrap_err(), DpError::NonFiniteRecord { index: 3 });
+        assert_eq!(
+            clip_sum(&rec, 1.0).unwrap_err(),
+            DpError::NonFiniteRecord { index: 3 }
+        );
     }
 
     #[test]
@@ -346,10 +423,20 @@ mod tests {
     #[test]
     fn thread_count_does_not_change_bits() {
         let widths = [70_000usize, 123, 100_000];
-        let data: Vec<Vec<f32>> = widths.iter().enumerate().map(|(k, &w)| pseudo(200 * w, k as u64)).collect();
+        let data: Vec<Vec<f32>> = widths
+            .iter()
+            .enumerate()
+            .map(|(k, &w)| pseudo(200 * w, k as u64))
+            .collect();
         let rec = f32_records(200, &widths, &data);
-        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let four = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let four = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
         let a = one.install(|| clip_sum(&rec, 2.0).unwrap());
         let b = four.install(|| clip_sum(&rec, 2.0).unwrap());
         assert_eq!(a.sums, b.sums);
@@ -383,8 +470,14 @@ mod tests {
             d[97 * width + 3] = f32::NEG_INFINITY;
             d[280 * width] = f32::INFINITY;
             let rec = f32_records(batch, &[width], &[d]);
-            assert_eq!(clip_sum(&rec, 1.0).unwrap_err(), DpError::NonFiniteRecord { index: 97 });
-            assert_eq!(record_norms(&rec).unwrap_err(), DpError::NonFiniteRecord { index: 97 });
+            assert_eq!(
+                clip_sum(&rec, 1.0).unwrap_err(),
+                DpError::NonFiniteRecord { index: 97 }
+            );
+            assert_eq!(
+                record_norms(&rec).unwrap_err(),
+                DpError::NonFiniteRecord { index: 97 }
+            );
         }
     }
 
@@ -393,7 +486,10 @@ mod tests {
         let d = [1.0f32; 6];
         let rec = Records::new(2, vec![Part::new(Column::F32(&d), 3)]).unwrap();
         for c in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert!(matches!(clip_sum(&rec, c), Err(DpError::InvalidParameter { .. })));
+            assert!(matches!(
+                clip_sum(&rec, c),
+                Err(DpError::InvalidParameter { .. })
+            ));
         }
         assert!(Records::new(3, vec![Part::new(Column::F32(&d), 3)]).is_err());
     }

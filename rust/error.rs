@@ -17,7 +17,10 @@ pub type DpResult<T> = Result<T, DpError>;
 
 impl DpError {
     pub fn param(name: &'static str, message: impl Into<String>) -> Self {
-        DpError::InvalidParameter { name, message: message.into() }
+        DpError::InvalidParameter {
+            name,
+            message: message.into(),
+        }
     }
 }
 
@@ -40,9 +43,16 @@ impl std::error::Error for DpError {}
 /// A vector of `n` copies of `v`, or `OutOfMemory` where the allocator refuses (a plain `vec!`
 /// would abort the whole Python process).
 pub fn try_filled<T: Clone>(n: usize, v: T) -> DpResult<Vec<T>> {
-    let mut out = Vec::new();
-    out.try_reserve_exact(n)
-        .map_err(|_| DpError::OutOfMemory { bytes: n as u128 * std::mem::size_of::<T>() as u128 })?;
+    let mut out = try_with_capacity(n)?;
     out.resize(n, v);
+    Ok(out)
+}
+
+/// An empty vector with room for `n` values, or `OutOfMemory`.
+pub fn try_with_capacity<T>(n: usize) -> DpResult<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| DpError::OutOfMemory {
+        bytes: n as u128 * std::mem::size_of::<T>() as u128,
+    })?;
     Ok(out)
 }

@@ -99,15 +99,16 @@ macro_rules! simd_tier {
 simd_tier!(avx512, "avx512f");
 simd_tier!(avx2, "avx2");
 
+/// The widest instruction set compiled kernels may use on this CPU.
 #[derive(Clone, Copy, PartialEq)]
-enum Tier {
+pub(crate) enum Tier {
     Avx512,
     Avx2,
     Baseline,
 }
 
 #[inline(always)]
-fn tier() -> Tier {
+pub(crate) fn tier() -> Tier {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
@@ -172,7 +173,11 @@ mod tests {
         let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
         let r: f64 = x.iter().map(|v| (*v as f64) * (*v as f64)).sum();
         assert!((sumsq(&x) - r).abs() <= 1e-12 * r);
-        assert_eq!(sumsq(&x), sumsq_generic(&x), "dispatch must not change bits");
+        assert_eq!(
+            sumsq(&x),
+            sumsq_generic(&x),
+            "dispatch must not change bits"
+        );
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 checked just above.
@@ -183,7 +188,11 @@ mod tests {
     #[test]
     fn axpy_grouping_is_bit_identical_to_one_row_at_a_time() {
         let rows: Vec<Vec<f64>> = (0..7)
-            .map(|r| (0..33).map(|j| ((r * 31 + j) as f64 * 0.113).cos() * 1e3).collect())
+            .map(|r| {
+                (0..33)
+                    .map(|j| ((r * 31 + j) as f64 * 0.113).cos() * 1e3)
+                    .collect()
+            })
             .collect();
         let f = [0.3, 1.0, 0.77, 1e-3, 0.5, 0.9, 0.1];
         let refs: Vec<(f64, &[f64])> = rows.iter().zip(f).map(|(x, f)| (f, x.as_slice())).collect();
@@ -198,7 +207,9 @@ mod tests {
 
     #[test]
     fn finiteness() {
-        assert!(all_finite(&[1.0f32, 2.0, -3.0, 0.0, 5.0, 6.0, 7.0, 8.0, 9.0]));
+        assert!(all_finite(&[
+            1.0f32, 2.0, -3.0, 0.0, 5.0, 6.0, 7.0, 8.0, 9.0
+        ]));
         for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
             for pos in [0, 5, 8, 10] {
                 let mut x = vec![1.0f64; 11];

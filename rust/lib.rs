@@ -9,6 +9,7 @@
 //! feature) is the one module that does.
 
 pub mod accounting;
+pub mod chacha;
 pub mod clip;
 pub mod error;
 pub mod kernels;

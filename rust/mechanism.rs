@@ -20,7 +20,10 @@ pub enum Output {
 
 pub fn check_noise_multiplier(z: f64) -> DpResult<()> {
     if !(z.is_finite() && z >= 0.0) {
-        return Err(DpError::param("noise_multiplier", format!("must be finite and >= 0, got {z}")));
+        return Err(DpError::param(
+            "noise_multiplier",
+            format!("must be finite and >= 0, got {z}"),
+        ));
     }
     Ok(())
 }
@@ -29,7 +32,10 @@ pub fn check_denominator(d: Option<f64>) -> DpResult<f64> {
     match d {
         None => Ok(1.0),
         Some(d) if d.is_finite() && d > 0.0 => Ok(d),
-        Some(d) => Err(DpError::param("denominator", format!("must be finite and > 0, got {d}"))),
+        Some(d) => Err(DpError::param(
+            "denominator",
+            format!("must be finite and > 0, got {d}"),
+        )),
     }
 }
 
@@ -42,7 +48,14 @@ pub fn gaussian_sum(
     denominator: Option<f64>,
     seed: Seed,
 ) -> DpResult<(Vec<Output>, Vec<f64>)> {
-    gaussian_sum_as(records, l2_norm_clip, noise_multiplier, denominator, seed, false)
+    gaussian_sum_as(
+        records,
+        l2_norm_clip,
+        noise_multiplier,
+        denominator,
+        seed,
+        false,
+    )
 }
 
 /// As `gaussian_sum`; with `f64_out` every output is f64 whatever the input type (for callers
@@ -61,7 +74,10 @@ pub fn gaussian_sum_as(
     let stddev = noise_multiplier * l2_norm_clip;
     let max_scale = records.parts.iter().map(|p| p.scale).fold(0.0, f64::max);
     if !(stddev * max_scale).is_finite() {
-        return Err(DpError::param("noise_multiplier", "noise_multiplier * l2_norm_clip overflows"));
+        return Err(DpError::param(
+            "noise_multiplier",
+            "noise_multiplier * l2_norm_clip overflows",
+        ));
     }
     let ClippedSum { sums, norms } = clip_sum(records, l2_norm_clip)?;
     // The key is drawn only after the records passed every check.
@@ -70,11 +86,15 @@ pub fn gaussian_sum_as(
         .iter()
         .zip(&records.parts)
         .enumerate()
-        .map(|(k, (s, p))| match p.data {
-            Column::F32(_) if !f64_out => Output::F32(noised_part(s, stddev * p.scale, denom, &key, k)),
-            _ => Output::F64(noised_part(s, stddev * p.scale, denom, &key, k)),
+        .map(|(k, (s, p))| {
+            Ok(match p.data {
+                Column::F32(_) if !f64_out => {
+                    Output::F32(noised_part(s, stddev * p.scale, denom, &key, k)?)
+                }
+                _ => Output::F64(noised_part(s, stddev * p.scale, denom, &key, k)?),
+            })
         })
-        .collect();
+        .collect::<DpResult<_>>()?;
     Ok((outputs, norms))
 }
 
@@ -89,7 +109,9 @@ mod tests {
         let rec = Records::new(0, vec![Part::new(Column::F32(&d), 50_000)]).unwrap();
         let (out, norms) = gaussian_sum(&rec, 2.0, 1.5, None, Seed::Fixed(1)).unwrap();
         assert!(norms.is_empty());
-        let Output::F32(v) = &out[0] else { panic!("dtype must be preserved") };
+        let Output::F32(v) = &out[0] else {
+            panic!("dtype must be preserved")
+        };
         let var = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64;
         // σ² = 9; the standard error of the variance estimate is 9·sqrt(2/50000) ≈ 0.057.
         assert!((var - 9.0).abs() < 0.3, "{var}");
@@ -101,7 +123,9 @@ mod tests {
         let rec = Records::new(1, vec![Part::new(Column::F64(&d), 2)]).unwrap();
         let (a, _) = gaussian_sum(&rec, 10.0, 1.0, None, Seed::Fixed(5)).unwrap();
         let (b, _) = gaussian_sum(&rec, 10.0, 1.0, Some(4.0), Seed::Fixed(5)).unwrap();
-        let (Output::F64(a), Output::F64(b)) = (&a[0], &b[0]) else { panic!() };
+        let (Output::F64(a), Output::F64(b)) = (&a[0], &b[0]) else {
+            panic!()
+        };
         for (x, y) in a.iter().zip(b) {
             assert!((x / 4.0 - y).abs() < 1e-12);
         }
@@ -110,7 +134,10 @@ mod tests {
     #[test]
     fn joint_clipping_noise_is_scaled_per_part() {
         let z = [0.0f64; 2 * 20_000];
-        let parts = vec![Part::new(Column::F64(&z[..20_000]), 10_000), Part::new(Column::F64(&z[20_000..]), 10_000).with_scale(100.0)];
+        let parts = vec![
+            Part::new(Column::F64(&z[..20_000]), 10_000),
+            Part::new(Column::F64(&z[20_000..]), 10_000).with_scale(100.0),
+        ];
         let rec = Records::new(2, parts).unwrap();
         let (out, _) = gaussian_sum(&rec, 1.0, 0.01, None, Seed::Fixed(2)).unwrap();
         let sd = |o: &Output| match o {
@@ -127,11 +154,32 @@ mod tests {
         let d = [f32::NAN; 2];
         let rec = Records::new(1, vec![Part::new(Column::F32(&d), 2)]).unwrap();
         let e = gaussian_sum(&rec, 1.0, -1.0, None, Seed::Os).unwrap_err();
-        assert!(matches!(e, DpError::InvalidParameter { name: "noise_multiplier", .. }));
+        assert!(matches!(
+            e,
+            DpError::InvalidParameter {
+                name: "noise_multiplier",
+                ..
+            }
+        ));
         let e = gaussian_sum(&rec, 1.0, 1.0, Some(0.0), Seed::Os).unwrap_err();
-        assert!(matches!(e, DpError::InvalidParameter { name: "denominator", .. }));
+        assert!(matches!(
+            e,
+            DpError::InvalidParameter {
+                name: "denominator",
+                ..
+            }
+        ));
         let e = gaussian_sum(&rec, 1e300, 1e10, None, Seed::Os).unwrap_err();
-        assert!(matches!(e, DpError::InvalidParameter { name: "noise_multiplier", .. }));
-        assert_eq!(gaussian_sum(&rec, 1.0, 1.0, None, Seed::Os).unwrap_err(), DpError::NonFiniteRecord { index: 0 });
+        assert!(matches!(
+            e,
+            DpError::InvalidParameter {
+                name: "noise_multiplier",
+                ..
+            }
+        ));
+        assert_eq!(
+            gaussian_sum(&rec, 1.0, 1.0, None, Seed::Os).unwrap_err(),
+            DpError::NonFiniteRecord { index: 0 }
+        );
     }
 }

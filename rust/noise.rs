@@ -13,32 +13,37 @@
 //! continuous distribution the accountant assumes. dpcore states its guarantee for the
 //! continuous mechanism, as TF Privacy and Opacus do.
 
-use crate::error::{try_filled, DpError, DpResult};
+use crate::chacha::ChaCha20;
+use crate::error::{try_with_capacity, DpError, DpResult};
 use crate::records::Elem;
-use crate::ziggurat;
 use crate::rng::{chunk_rng, stream_id, Domain, Key};
+use crate::ziggurat;
 use rand_distr::{Distribution, StandardNormal};
-use rand_chacha::ChaCha20Rng;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Element types that noise can be generated for, each with the sampler that suits its precision.
 pub trait NoiseElem: Elem {
-    fn standard_normal(rng: &mut ChaCha20Rng) -> f64;
+    /// Fills `z` with standard normal samples from `rng`.
+    fn standard_normals(rng: &mut ChaCha20, z: &mut [f64]);
 }
 
 impl NoiseElem for f32 {
-    #[inline(always)]
-    fn standard_normal(rng: &mut ChaCha20Rng) -> f64 {
-        ziggurat::standard_normal(rng)
+    fn standard_normals(rng: &mut ChaCha20, z: &mut [f64]) {
+        ziggurat::fill_standard_normal(rng, z)
     }
 }
 
 impl NoiseElem for f64 {
-    #[inline(always)]
-    fn standard_normal(rng: &mut ChaCha20Rng) -> f64 {
-        StandardNormal.sample(rng)
+    fn standard_normals(rng: &mut ChaCha20, z: &mut [f64]) {
+        for v in z {
+            *v = StandardNormal.sample(rng);
+        }
     }
 }
+
+/// Samples generated per batch before they are mapped into the output.
+const BATCH: usize = 256;
 
 /// Values per independent ChaCha20 stream. Part of the output's definition: changing it changes
 /// the noise a given seed produces.
@@ -46,50 +51,87 @@ pub const NOISE_CHUNK: usize = 1 << 14;
 
 pub fn check_stddev(stddev: f64) -> DpResult<()> {
     if !(stddev.is_finite() && stddev >= 0.0) {
-        return Err(DpError::param("stddev", format!("must be finite and >= 0, got {stddev}")));
+        return Err(DpError::param(
+            "stddev",
+            format!("must be finite and >= 0, got {stddev}"),
+        ));
     }
     Ok(())
 }
 
-/// Writes `out[j] = map(j, σ·ξ_j)` for one chunk, ξ standard normal from `rng`'s stream.
+/// Writes `out[j] = map(j, σ·ξ_j)` for one chunk, ξ standard normal from stream `stream`.
 #[inline]
-fn fill_chunk<T: NoiseElem, F: Fn(usize, f64) -> f64>(key: &Key, stream: u64, stddev: f64, out: &mut [T], map: F) {
+fn fill_chunk<T: NoiseElem, F: Fn(usize, f64) -> f64>(
+    key: &Key,
+    stream: u64,
+    stddev: f64,
+    out: &mut [MaybeUninit<T>],
+    map: F,
+) {
     if stddev == 0.0 {
         for (j, o) in out.iter_mut().enumerate() {
-            *o = T::from_f64(map(j, 0.0));
+            o.write(T::from_f64(map(j, 0.0)));
         }
         return;
     }
     let mut rng = chunk_rng(key, stream);
-    for (j, o) in out.iter_mut().enumerate() {
-        let z = T::standard_normal(&mut rng);
-        *o = T::from_f64(map(j, stddev * z));
+    let mut z = [0.0f64; BATCH];
+    for (b, ob) in out.chunks_mut(BATCH).enumerate() {
+        let z = &mut z[..ob.len()];
+        T::standard_normals(&mut rng, z);
+        for (j, (o, z)) in ob.iter_mut().zip(z.iter()).enumerate() {
+            o.write(T::from_f64(map(b * BATCH + j, stddev * z)));
+        }
     }
+}
+
+/// A vector of `n` values, chunk `c` written by `fill(c, chunk)` in parallel. The memory is
+/// first touched by the workers, so its page faults are taken in parallel too.
+fn build<T: Send, F: Fn(usize, &mut [MaybeUninit<T>]) + Sync>(
+    n: usize,
+    fill: F,
+) -> DpResult<Vec<T>> {
+    let mut out: Vec<T> = try_with_capacity(n)?;
+    let spare = &mut out.spare_capacity_mut()[..n];
+    if n > NOISE_CHUNK {
+        spare
+            .par_chunks_mut(NOISE_CHUNK)
+            .enumerate()
+            .for_each(|(c, o)| fill(c, o));
+    } else {
+        spare
+            .chunks_mut(NOISE_CHUNK)
+            .enumerate()
+            .for_each(|(c, o)| fill(c, o));
+    }
+    // SAFETY: the chunks cover 0..n and `fill` (fill_chunk) writes every value of its chunk.
+    unsafe { out.set_len(n) };
+    Ok(out)
 }
 
 /// `n` independent N(0, stddev²) values of type T, computed in f64 and rounded once.
 pub fn gaussian<T: NoiseElem>(n: usize, stddev: f64, key: &Key) -> DpResult<Vec<T>> {
     check_stddev(stddev)?;
-    let mut out = try_filled(n, T::from_f64(0.0))?;
-    out.par_chunks_mut(NOISE_CHUNK).enumerate().for_each(|(c, chunk)| {
-        fill_chunk(key, stream_id(Domain::Noise, 0, c), stddev, chunk, |_, e| e);
-    });
-    Ok(out)
+    build(n, |c, o| {
+        fill_chunk(key, stream_id(Domain::Noise, 0, c), stddev, o, |_, e| e)
+    })
 }
 
 /// The last step of the Gaussian sum mechanism for one part: `out = (sum + N(0, σ²)) / denom`,
 /// rounded once from f64 to T. `part` selects the streams, so parts never share noise.
-pub fn noised_part<T: NoiseElem>(sum: &[f64], stddev: f64, denominator: f64, key: &Key, part: usize) -> Vec<T> {
-    let mut out = vec![T::from_f64(0.0); sum.len()];
-    let work = |(c, (o, s)): (usize, (&mut [T], &[f64]))| {
-        fill_chunk(key, stream_id(Domain::Noise, part, c), stddev, o, |j, e| (s[j] + e) / denominator);
-    };
-    if sum.len() > NOISE_CHUNK {
-        out.par_chunks_mut(NOISE_CHUNK).zip(sum.par_chunks(NOISE_CHUNK)).enumerate().for_each(work);
-    } else {
-        out.chunks_mut(NOISE_CHUNK).zip(sum.chunks(NOISE_CHUNK)).enumerate().for_each(work);
-    }
-    out
+pub fn noised_part<T: NoiseElem>(
+    sum: &[f64],
+    stddev: f64,
+    denominator: f64,
+    key: &Key,
+    part: usize,
+) -> DpResult<Vec<T>> {
+    build(sum.len(), |c, o| {
+        let s = &sum[c * NOISE_CHUNK..];
+        fill_chunk(key, stream_id(Domain::Noise, part, c), stddev, o, |j, e| {
+            (s[j] + e) / denominator
+        })
+    })
 }
 
 #[cfg(test)]
@@ -112,8 +154,14 @@ mod tests {
     #[test]
     fn thread_count_does_not_change_bits() {
         let key = Seed::Fixed(3).key().unwrap();
-        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         let a: Vec<f32> = one.install(|| gaussian(100_003, 1.0, &key).unwrap());
         let b: Vec<f32> = three.install(|| gaussian(100_003, 1.0, &key).unwrap());
         assert_eq!(a, b);
@@ -123,15 +171,18 @@ mod tests {
     fn parts_get_independent_streams() {
         let key = Seed::Fixed(3).key().unwrap();
         let zeros = vec![0.0; 10];
-        let a: Vec<f64> = noised_part(&zeros, 1.0, 1.0, &key, 0);
-        let b: Vec<f64> = noised_part(&zeros, 1.0, 1.0, &key, 1);
+        let a: Vec<f64> = noised_part(&zeros, 1.0, 1.0, &key, 0).unwrap();
+        let b: Vec<f64> = noised_part(&zeros, 1.0, 1.0, &key, 1).unwrap();
         assert_ne!(a, b);
     }
 
     #[test]
     fn impossible_allocation_is_an_error_not_an_abort() {
         let key = Seed::Fixed(3).key().unwrap();
-        assert!(matches!(gaussian::<f64>(usize::MAX / 16, 1.0, &key), Err(DpError::OutOfMemory { .. })));
+        assert!(matches!(
+            gaussian::<f64>(usize::MAX / 16, 1.0, &key),
+            Err(DpError::OutOfMemory { .. })
+        ));
     }
 
     #[test]

@@ -75,7 +75,11 @@ pub struct Part<'a> {
 
 impl<'a> Part<'a> {
     pub fn new(data: Column<'a>, width: usize) -> Self {
-        Part { data, width, scale: 1.0 }
+        Part {
+            data,
+            width,
+            scale: 1.0,
+        }
     }
     pub fn with_scale(self, scale: f64) -> Self {
         Part { scale, ..self }
@@ -93,14 +97,22 @@ impl<'a> Records<'a> {
     /// Checks that every buffer holds exactly `batch * width` values.
     pub fn new(batch: usize, parts: Vec<Part<'a>>) -> DpResult<Self> {
         if parts.is_empty() {
-            return Err(DpError::Shape("at least one array of records is required".into()));
+            return Err(DpError::Shape(
+                "at least one array of records is required".into(),
+            ));
         }
         for (k, p) in parts.iter().enumerate() {
             if !(p.scale.is_finite() && p.scale > 0.0) {
-                return Err(DpError::param("scales", format!("scale {k} must be finite and > 0, got {}", p.scale)));
+                return Err(DpError::param(
+                    "scales",
+                    format!("scale {k} must be finite and > 0, got {}", p.scale),
+                ));
             }
             let expected = batch.checked_mul(p.width).ok_or_else(|| {
-                DpError::Shape(format!("array {k}: batch {batch} x width {} overflows", p.width))
+                DpError::Shape(format!(
+                    "array {k}: batch {batch} x width {} overflows",
+                    p.width
+                ))
             })?;
             if p.data.len() != expected {
                 return Err(DpError::Shape(format!(
@@ -120,6 +132,9 @@ impl<'a> Records<'a> {
 
     /// Bytes one record occupies over all parts.
     pub fn record_bytes(&self) -> usize {
-        self.parts.iter().map(|p| p.width * p.data.elem_size()).sum()
+        self.parts
+            .iter()
+            .map(|p| p.width * p.data.elem_size())
+            .sum()
     }
 }

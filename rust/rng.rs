@@ -9,8 +9,8 @@
 //! `stream_id(d, part, c)` of the key. The output therefore depends on the key alone, never on
 //! how many threads ran the chunks.
 
+use crate::chacha::ChaCha20;
 use crate::error::{DpError, DpResult};
-use rand_chacha::ChaCha20Rng;
 use rand_core::SeedableRng;
 
 pub type Key = [u8; 32];
@@ -41,7 +41,7 @@ impl Seed {
     pub fn key(self) -> DpResult<Key> {
         match self {
             Seed::Os => os_key(),
-            Seed::Fixed(s) => Ok(ChaCha20Rng::seed_from_u64(s).get_seed()),
+            Seed::Fixed(s) => Ok(ChaCha20::seed_from_u64(s).key_bytes()),
         }
     }
 }
@@ -62,10 +62,8 @@ pub fn stream_id(domain: Domain, part: usize, chunk: usize) -> u64 {
 
 /// The generator for one chunk: stream `stream` of `key`, from its start.
 #[inline]
-pub fn chunk_rng(key: &Key, stream: u64) -> ChaCha20Rng {
-    let mut rng = ChaCha20Rng::from_seed(*key);
-    rng.set_stream(stream);
-    rng
+pub fn chunk_rng(key: &Key, stream: u64) -> ChaCha20 {
+    ChaCha20::new(key, stream)
 }
 
 #[cfg(test)]

@@ -11,7 +11,10 @@ use rand_core::Rng;
 
 pub fn check_probability(q: f64) -> DpResult<()> {
     if !(0.0..=1.0).contains(&q) {
-        return Err(DpError::param("sampling_probability", format!("must be in [0, 1], got {q}")));
+        return Err(DpError::param(
+            "sampling_probability",
+            format!("must be in [0, 1], got {q}"),
+        ));
     }
     Ok(())
 }
@@ -41,7 +44,9 @@ pub fn poisson_sample(n: u64, q: f64, seed: Seed) -> DpResult<Vec<u64>> {
     let room = (expected + 10.0 * expected.sqrt() + 16.0).min(n as f64);
     let mut out: Vec<u64> = Vec::new();
     out.try_reserve_exact(room as usize)
-        .map_err(|_| DpError::OutOfMemory { bytes: room as u128 * 8 })?;
+        .map_err(|_| DpError::OutOfMemory {
+            bytes: room as u128 * 8,
+        })?;
     let mut i: u64 = 0;
     loop {
         let gap = (uniform_open0(&mut rng).ln() / log1mq).floor();
@@ -62,15 +67,22 @@ pub fn poisson_sample(n: u64, q: f64, seed: Seed) -> DpResult<Vec<u64>> {
 /// Sorted indices of `b` records drawn uniformly without replacement from n.
 pub fn fixed_size_sample(n: u64, b: u64, seed: Seed) -> DpResult<Vec<u64>> {
     if b > n {
-        return Err(DpError::param("sample_size", format!("must be <= the population size {n}, got {b}")));
+        return Err(DpError::param(
+            "sample_size",
+            format!("must be <= the population size {n}, got {b}"),
+        ));
     }
     let (n, b) = (
-        usize::try_from(n).map_err(|_| DpError::param("population_size", "too large for this platform"))?,
+        usize::try_from(n)
+            .map_err(|_| DpError::param("population_size", "too large for this platform"))?,
         b as usize,
     );
     let key = seed.key()?;
     let mut rng = chunk_rng(&key, stream_id(Domain::Sampling, 1, 0));
-    let mut out: Vec<u64> = index::sample(&mut rng, n, b).into_iter().map(|i| i as u64).collect();
+    let mut out: Vec<u64> = index::sample(&mut rng, n, b)
+        .into_iter()
+        .map(|i| i as u64)
+        .collect();
     out.sort_unstable();
     Ok(out)
 }

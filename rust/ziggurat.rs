@@ -7,7 +7,7 @@
 //! half the ChaCha20 output the 64-bit sampler needs; 24 bits of magnitude exceed the 24-bit
 //! float32 significand the sample ends in. float64 outputs keep the 64-bit sampler.
 
-use rand_core::Rng;
+use crate::chacha::ChaCha20;
 use std::sync::OnceLock;
 
 const LAYERS: usize = 128;
@@ -28,7 +28,11 @@ struct Tables {
 fn tables() -> &'static Tables {
     static T: OnceLock<Tables> = OnceLock::new();
     T.get_or_init(|| {
-        let mut t = Tables { k: [0; LAYERS], w: [0.0; LAYERS], f: [0.0; LAYERS] };
+        let mut t = Tables {
+            k: [0; LAYERS],
+            w: [0.0; LAYERS],
+            f: [0.0; LAYERS],
+        };
         let mut dn = R;
         let mut tn = dn;
         let q = V / (-0.5 * dn * dn).exp();
@@ -51,29 +55,43 @@ fn tables() -> &'static Tables {
 
 /// A uniform double in (0, 1) from 32 fresh bits.
 #[inline]
-fn uniform01(rng: &mut impl Rng) -> f64 {
-    (rng.next_u32() as f64 + 0.5) * (1.0 / 4294967296.0)
+fn uniform01(rng: &mut ChaCha20) -> f64 {
+    (rng.next_word() as f64 + 0.5) * (1.0 / 4294967296.0)
 }
 
-#[inline]
-fn draw(rng: &mut impl Rng) -> (i32, usize) {
-    let b = rng.next_u32();
+/// A draw's disjoint bit fields: the signed 25-bit value and the 7-bit layer.
+#[inline(always)]
+fn split(b: u32) -> (i32, usize) {
     ((b as i32) >> 7, (b & 127) as usize)
 }
 
-/// One standard normal sample (returned in f64; meant to be rounded to f32).
-#[inline]
-pub fn standard_normal(rng: &mut impl Rng) -> f64 {
+/// Samples per group: a group's draws are read from the stream in bulk.
+const GROUP: usize = 256;
+
+/// Fills `z` with independent standard normal samples (in f64; meant to be rounded to f32).
+///
+/// Each sample starts from its own 32-bit draw; a draw that falls outside its layer's rectangle
+/// is finished by the exact slow path with fresh words read after the group's draws, so samples
+/// never share randomness and the words consumed are a fixed function of the stream.
+pub fn fill_standard_normal(rng: &mut ChaCha20, z: &mut [f64]) {
     let t = tables();
-    let (u, i) = draw(rng);
-    if u.unsigned_abs() < t.k[i] {
-        return u as f64 * t.w[i];
+    let mut draws = [0u32; GROUP];
+    for zc in z.chunks_mut(GROUP) {
+        let draws = &mut draws[..zc.len()];
+        rng.fill_words(draws);
+        for (z, d) in zc.iter_mut().zip(draws.iter()) {
+            let (u, i) = split(*d);
+            *z = if u.unsigned_abs() < t.k[i] {
+                u as f64 * t.w[i]
+            } else {
+                slow_path(rng, t, u, i)
+            };
+        }
     }
-    slow_path(rng, t, u, i)
 }
 
 #[cold]
-fn slow_path(rng: &mut impl Rng, t: &Tables, mut u: i32, mut i: usize) -> f64 {
+fn slow_path(rng: &mut ChaCha20, t: &Tables, mut u: i32, mut i: usize) -> f64 {
     loop {
         let x = u as f64 * t.w[i];
         if i == 0 {
@@ -89,7 +107,7 @@ fn slow_path(rng: &mut impl Rng, t: &Tables, mut u: i32, mut i: usize) -> f64 {
         if t.f[i] + uniform01(rng) * (t.f[i - 1] - t.f[i]) < (-0.5 * x * x).exp() {
             return x;
         }
-        (u, i) = draw(rng);
+        (u, i) = split(rng.next_word());
         if u.unsigned_abs() < t.k[i] {
             return u as f64 * t.w[i];
         }
@@ -106,8 +124,15 @@ mod tests {
         // a 1e-7-accurate rational approximation (Abramowitz & Stegun 26.2.17) suffices for a KS bound.
         let t = 1.0 / (1.0 + 0.2316419 * x.abs());
         let d = 0.3989422804014327 * (-0.5 * x * x).exp();
-        let p = d * t * (0.319381530 + t * (-0.356563782 + t * (1.781477937 + t * (-1.821255978 + t * 1.330274429))));
-        if x >= 0.0 { 1.0 - p } else { p }
+        let p = d
+            * t
+            * (0.319381530
+                + t * (-0.356563782 + t * (1.781477937 + t * (-1.821255978 + t * 1.330274429))));
+        if x >= 0.0 {
+            1.0 - p
+        } else {
+            p
+        }
     }
 
     #[test]
@@ -115,26 +140,35 @@ mod tests {
         let key = Seed::Fixed(11).key().unwrap();
         let mut rng = chunk_rng(&key, 0);
         let n = 200_000;
-        let mut x: Vec<f64> = (0..n).map(|_| standard_normal(&mut rng)).collect();
+        let mut x = vec![0.0; n];
+        fill_standard_normal(&mut rng, &mut x);
         let mean = x.iter().sum::<f64>() / n as f64;
         let var = x.iter().map(|v| v * v).sum::<f64>() / n as f64 - mean * mean;
         let kurt = x.iter().map(|v| v.powi(4)).sum::<f64>() / n as f64;
         assert!(mean.abs() < 5.0 / (n as f64).sqrt(), "{mean}");
         assert!((var - 1.0).abs() < 5.0 * (2.0 / n as f64).sqrt(), "{var}");
-        assert!((kurt - 3.0).abs() < 5.0 * (96.0 / n as f64).sqrt(), "{kurt}");
+        assert!(
+            (kurt - 3.0).abs() < 5.0 * (96.0 / n as f64).sqrt(),
+            "{kurt}"
+        );
         x.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let d = x
             .iter()
             .enumerate()
             .map(|(i, v)| {
                 let c = phi(*v);
-                (c - i as f64 / n as f64).abs().max(((i + 1) as f64 / n as f64 - c).abs())
+                (c - i as f64 / n as f64)
+                    .abs()
+                    .max(((i + 1) as f64 / n as f64 - c).abs())
             })
             .fold(0.0, f64::max);
         // The 0.1% critical value of the KS statistic is 1.95/sqrt(n) = 0.0044.
         assert!(d < 1.95 / (n as f64).sqrt(), "KS statistic {d}");
         // The tail beyond R must be populated at its true rate 2·(1 − Φ(R)) ≈ 5.76e-4.
         let tail = x.iter().filter(|v| v.abs() > R).count() as f64 / n as f64;
-        assert!((tail - 5.76e-4).abs() < 5.0 * (5.76e-4 / n as f64).sqrt(), "{tail}");
+        assert!(
+            (tail - 5.76e-4).abs() < 5.0 * (5.76e-4 / n as f64).sqrt(),
+            "{tail}"
+        );
     }
 }

@@ -10,24 +10,36 @@ use crate::error::{DpError, DpResult};
 
 fn check_target(eps: f64, delta: f64) -> DpResult<()> {
     if !(eps > 0.0) || eps.is_nan() {
-        return Err(DpError::param("target_epsilon", format!("must be > 0, got {eps}")));
+        return Err(DpError::param(
+            "target_epsilon",
+            format!("must be > 0, got {eps}"),
+        ));
     }
     if !(delta > 0.0 && delta < 1.0) {
-        return Err(DpError::param("target_delta", format!("must be in (0, 1), got {delta}")));
+        return Err(DpError::param(
+            "target_delta",
+            format!("must be in (0, 1), got {delta}"),
+        ));
     }
     Ok(())
 }
 
 fn check_steps(steps: f64) -> DpResult<()> {
     if !(steps >= 1.0 && steps.is_finite() && steps.fract() == 0.0) {
-        return Err(DpError::param("steps", format!("must be an integer >= 1, got {steps}")));
+        return Err(DpError::param(
+            "steps",
+            format!("must be an integer >= 1, got {steps}"),
+        ));
     }
     Ok(())
 }
 
 /// ε of `steps` identical Poisson-subsampled Gaussian steps.
 pub fn poisson_epsilon(q: f64, z: f64, steps: f64, delta: f64, orders: &[f64]) -> DpResult<f64> {
-    let c = Composition { steps: vec![(Step::Poisson(SubsampledGaussian::new(q, z)?), steps)], non_private: false };
+    let c = Composition {
+        steps: vec![(Step::Poisson(SubsampledGaussian::new(q, z)?), steps)],
+        non_private: false,
+    };
     let grid = c.rdp_grid(orders);
     Ok(epsilon(orders, &grid, |a| c.rdp(a), delta)?.value)
 }
@@ -35,7 +47,14 @@ pub fn poisson_epsilon(q: f64, z: f64, steps: f64, delta: f64, orders: &[f64]) -
 /// Given x_bad (ε above target) and x_good (ε within target) on a log scale, narrows the
 /// bracket with the Illinois variant of regula falsi on log ε − log target (bisection when
 /// that is not finite) until it is `rel_tol` wide; returns the good end.
-fn refine<F: FnMut(f64) -> f64>(mut f: F, mut xb: f64, mut fb: f64, mut xg: f64, mut fg: f64, rel_tol: f64) -> f64 {
+fn refine<F: FnMut(f64) -> f64>(
+    mut f: F,
+    mut xb: f64,
+    mut fb: f64,
+    mut xg: f64,
+    mut fg: f64,
+    rel_tol: f64,
+) -> f64 {
     let mut side = 0i32;
     for _ in 0..200 {
         if (xg - xb).abs() <= rel_tol {
@@ -71,7 +90,13 @@ fn refine<F: FnMut(f64) -> f64>(mut f: F, mut xb: f64, mut fb: f64, mut xg: f64,
 }
 
 /// Smallest noise multiplier with ε ≤ target (to 1e-6 relative).
-pub fn noise_multiplier(target_eps: f64, delta: f64, q: f64, steps: f64, orders: &[f64]) -> DpResult<f64> {
+pub fn noise_multiplier(
+    target_eps: f64,
+    delta: f64,
+    q: f64,
+    steps: f64,
+    orders: &[f64],
+) -> DpResult<f64> {
     check_target(target_eps, delta)?;
     check_steps(steps)?;
     check_orders(orders)?;
@@ -90,7 +115,10 @@ pub fn noise_multiplier(target_eps: f64, delta: f64, q: f64, steps: f64, orders:
         loop {
             lg = lb + std::f64::consts::LN_2 * 2.0;
             if lg > 40.0 {
-                return Err(DpError::param("target_epsilon", "unreachable: needs a noise multiplier above 1e17"));
+                return Err(DpError::param(
+                    "target_epsilon",
+                    "unreachable: needs a noise multiplier above 1e17",
+                ));
             }
             let gg = g(lg)?;
             if gg <= 0.0 {
@@ -125,11 +153,20 @@ fn finish_noise<E: Fn(f64) -> DpResult<f64>>(lz: f64, eps: &E, target: f64) -> D
         }
         z = z.next_up().next_up();
     }
-    Err(DpError::param("target_epsilon", "calibration failed to verify the target (please report)"))
+    Err(DpError::param(
+        "target_epsilon",
+        "calibration failed to verify the target (please report)",
+    ))
 }
 
 /// Largest sampling probability with ε ≤ target (to 1e-6 relative); 1 if even q = 1 fits.
-pub fn sampling_probability(target_eps: f64, delta: f64, z: f64, steps: f64, orders: &[f64]) -> DpResult<f64> {
+pub fn sampling_probability(
+    target_eps: f64,
+    delta: f64,
+    z: f64,
+    steps: f64,
+    orders: &[f64],
+) -> DpResult<f64> {
     check_target(target_eps, delta)?;
     check_steps(steps)?;
     check_orders(orders)?;
@@ -159,7 +196,10 @@ pub fn sampling_probability(target_eps: f64, delta: f64, z: f64, steps: f64, ord
                 }
                 q = q.next_down().next_down();
             }
-            return Err(DpError::param("target_epsilon", "calibration failed to verify the target (please report)"));
+            return Err(DpError::param(
+                "target_epsilon",
+                "calibration failed to verify the target (please report)",
+            ));
         }
         lb = lg;
         gb = gg;
@@ -172,9 +212,18 @@ pub fn steps(target_eps: f64, delta: f64, q: f64, z: f64, orders: &[f64]) -> DpR
     check_target(target_eps, delta)?;
     check_orders(orders)?;
     let one = SubsampledGaussian::new(q, z)?;
-    let grid1: Vec<f64> = Composition { steps: vec![(Step::Poisson(one), 1.0)], non_private: false }.rdp_grid(orders);
+    let grid1: Vec<f64> = Composition {
+        steps: vec![(Step::Poisson(one), 1.0)],
+        non_private: false,
+    }
+    .rdp_grid(orders);
     let cache = std::cell::RefCell::new(std::collections::HashMap::<u64, f64>::new());
-    let rdp1 = |a: f64| *cache.borrow_mut().entry(a.to_bits()).or_insert_with(|| one.rdp(a));
+    let rdp1 = |a: f64| {
+        *cache
+            .borrow_mut()
+            .entry(a.to_bits())
+            .or_insert_with(|| one.rdp(a))
+    };
     let eps = |s: u64| -> DpResult<f64> {
         let sf = s as f64;
         let grid: Vec<f64> = grid1.iter().map(|r| scale(*r, sf)).collect();

@@ -45,7 +45,11 @@ pub fn log_delta_at(alpha: f64, rdp: f64, eps: f64) -> f64 {
     }
     let kl = 0.5 * (-(-rdp).exp_m1()).ln();
     let imp = if alpha.is_infinite() {
-        if rdp <= eps { f64::NEG_INFINITY } else { 0.0 }
+        if rdp <= eps {
+            f64::NEG_INFINITY
+        } else {
+            0.0
+        }
     } else {
         (alpha - 1.0) * (rdp - eps + (-1.0 / alpha).ln_1p()) - alpha.ln()
     };
@@ -65,7 +69,16 @@ pub struct Optimum {
 /// x0 with f(x0) = fx0. Returns the best point seen.
 /// `fa`, `fb`: f at the ends (known from the grid), which seed the first parabolic step.
 #[allow(clippy::too_many_arguments)]
-fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, fa: f64, fb: f64, x0: f64, fx0: f64, rel_tol: f64) -> (f64, f64) {
+fn brent_min<F: FnMut(f64) -> f64>(
+    mut f: F,
+    mut a: f64,
+    mut b: f64,
+    fa: f64,
+    fb: f64,
+    x0: f64,
+    fx0: f64,
+    rel_tol: f64,
+) -> (f64, f64) {
     const CGOLD: f64 = 0.381_966_011_250_105_1;
     let (mut x, mut w, mut v) = (x0, a, b);
     let (mut fx, mut fw, mut fv) = (fx0, fa, fb);
@@ -106,16 +119,28 @@ fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, fa: f64, fb
             e = if x < m { b - x } else { a - x };
             d = CGOLD * e;
         }
-        let u = if d.abs() >= tol { x + d } else { x + tol.copysign(d) };
+        let u = if d.abs() >= tol {
+            x + d
+        } else {
+            x + tol.copysign(d)
+        };
         let fu = f(u);
         // A parabolic step that changes f by < 1e-9 relative: converged in value (the
         // remaining gap shrinks superlinearly), which is what ε needs.
         let flat = !golden && (fu - fx).abs() <= 1e-9 * fx.abs();
         if fu <= fx {
-            if u < x { b = x } else { a = x }
+            if u < x {
+                b = x
+            } else {
+                a = x
+            }
             (v, fv, w, fw, x, fx) = (w, fw, x, fx, u, fu);
         } else {
-            if u < x { a = u } else { b = u }
+            if u < x {
+                a = u
+            } else {
+                b = u
+            }
             if fu <= fw || w == x {
                 (v, fv, w, fw) = (w, fw, u, fu);
             } else if fu <= fv || v == x || v == w {
@@ -131,7 +156,10 @@ fn brent_min<F: FnMut(f64) -> f64>(mut f: F, mut a: f64, mut b: f64, fa: f64, fb
 
 fn sorted(orders: &[f64], vals: &[f64]) -> DpResult<Vec<(f64, f64)>> {
     if orders.len() != vals.len() {
-        return Err(DpError::param("orders", "orders and rdp must have the same length"));
+        return Err(DpError::param(
+            "orders",
+            "orders and rdp must have the same length",
+        ));
     }
     if orders.is_empty() {
         return Err(DpError::param("orders", "need at least one order"));
@@ -139,7 +167,10 @@ fn sorted(orders: &[f64], vals: &[f64]) -> DpResult<Vec<(f64, f64)>> {
     let mut p: Vec<(f64, f64)> = orders.iter().copied().zip(vals.iter().copied()).collect();
     for &(a, _) in &p {
         if !(a > 1.0) {
-            return Err(DpError::param("orders", format!("every order must be > 1, got {a}")));
+            return Err(DpError::param(
+                "orders",
+                format!("every order must be > 1, got {a}"),
+            ));
         }
     }
     p.sort_by(|x, y| x.0.total_cmp(&y.0));
@@ -147,7 +178,11 @@ fn sorted(orders: &[f64], vals: &[f64]) -> DpResult<Vec<(f64, f64)>> {
 }
 
 /// Shared driver: minimise `at(α, r(α))` over the grid, then continuously around its argmin.
-fn optimise<F: Fn(f64) -> f64, G: Fn(f64, f64) -> f64>(grid: &[(f64, f64)], rdp_fn: &F, at: G) -> Optimum {
+fn optimise<F: Fn(f64) -> f64, G: Fn(f64, f64) -> f64>(
+    grid: &[(f64, f64)],
+    rdp_fn: &F,
+    at: G,
+) -> Optimum {
     let vals: Vec<f64> = grid.iter().map(|&(a, r)| at(a, r)).collect();
     let mut i = 0;
     for (k, v) in vals.iter().enumerate() {
@@ -158,38 +193,89 @@ fn optimise<F: Fn(f64) -> f64, G: Fn(f64, f64) -> f64>(grid: &[(f64, f64)], rdp_
     let (best_a, best_v) = (grid[i].0, vals[i]);
     let n = grid.len();
     if !best_v.is_finite() || n < 2 || best_v == 0.0 || best_v == f64::NEG_INFINITY {
-        return Optimum { value: best_v, order: best_a, at_edge: false };
+        return Optimum {
+            value: best_v,
+            order: best_a,
+            at_edge: false,
+        };
     }
     let (ia, ib) = (i.saturating_sub(1), (i + 1).min(n - 1));
     let (a, fa) = (grid[ia].0, vals[ia]);
-    let (b, fb) = if grid[ib].0.is_finite() { (grid[ib].0, vals[ib]) } else { (best_a, best_v) };
+    let (b, fb) = if grid[ib].0.is_finite() {
+        (grid[ib].0, vals[ib])
+    } else {
+        (best_a, best_v)
+    };
     let rel_tol = 1e-4;
-    let (x, fx) = if b > a { brent_min(|al| at(al, rdp_fn(al)), a, b, fa, fb, best_a, best_v, rel_tol) } else { (best_a, best_v) };
-    let (order, value) = if fx < best_v { (x, fx) } else { (best_a, best_v) };
-    let edge = if i == 0 { Some(grid[0].0) } else if i == n - 1 { Some(grid[n - 1].0) } else { None };
+    let (x, fx) = if b > a {
+        brent_min(
+            |al| at(al, rdp_fn(al)),
+            a,
+            b,
+            fa,
+            fb,
+            best_a,
+            best_v,
+            rel_tol,
+        )
+    } else {
+        (best_a, best_v)
+    };
+    let (order, value) = if fx < best_v {
+        (x, fx)
+    } else {
+        (best_a, best_v)
+    };
+    let edge = if i == 0 {
+        Some(grid[0].0)
+    } else if i == n - 1 {
+        Some(grid[n - 1].0)
+    } else {
+        None
+    };
     let at_edge = edge.is_some_and(|e| (order - e).abs() <= 10.0 * rel_tol * e);
-    Optimum { value, order, at_edge }
+    Optimum {
+        value,
+        order,
+        at_edge,
+    }
 }
 
 fn check_delta(delta: f64) -> DpResult<()> {
     if !(0.0..=1.0).contains(&delta) {
-        return Err(DpError::param("delta", format!("must be in [0, 1], got {delta}")));
+        return Err(DpError::param(
+            "delta",
+            format!("must be in [0, 1], got {delta}"),
+        ));
     }
     Ok(())
 }
 
 /// Smallest ε for `delta`, given the composition's RDP on the grid (`rdp`) and at any order
 /// (`rdp_fn`). Rounded up.
-pub fn epsilon<F: Fn(f64) -> f64>(orders: &[f64], rdp: &[f64], rdp_fn: F, delta: f64) -> DpResult<Optimum> {
+pub fn epsilon<F: Fn(f64) -> f64>(
+    orders: &[f64],
+    rdp: &[f64],
+    rdp_fn: F,
+    delta: f64,
+) -> DpResult<Optimum> {
     check_delta(delta)?;
     let grid = sorted(orders, rdp)?;
     if delta == 0.0 {
         let zero = grid.iter().all(|&(_, r)| r == 0.0);
         let value = if zero { 0.0 } else { f64::INFINITY };
-        return Ok(Optimum { value, order: grid[0].0, at_edge: false });
+        return Ok(Optimum {
+            value,
+            order: grid[0].0,
+            at_edge: false,
+        });
     }
     if delta == 1.0 {
-        return Ok(Optimum { value: 0.0, order: grid[0].0, at_edge: false });
+        return Ok(Optimum {
+            value: 0.0,
+            order: grid[0].0,
+            at_edge: false,
+        });
     }
     let ld = delta.ln();
     let mut o = optimise(&grid, &rdp_fn, |a, r| eps_at(a, r, ld));
@@ -198,16 +284,32 @@ pub fn epsilon<F: Fn(f64) -> f64>(orders: &[f64], rdp: &[f64], rdp_fn: F, delta:
 }
 
 /// Smallest δ for `eps`, as [`epsilon`]. Rounded up, at most 1.
-pub fn delta<F: Fn(f64) -> f64>(orders: &[f64], rdp: &[f64], rdp_fn: F, eps: f64) -> DpResult<Optimum> {
+pub fn delta<F: Fn(f64) -> f64>(
+    orders: &[f64],
+    rdp: &[f64],
+    rdp_fn: F,
+    eps: f64,
+) -> DpResult<Optimum> {
     if !(eps >= 0.0) {
-        return Err(DpError::param("epsilon", format!("must be >= 0, got {eps}")));
+        return Err(DpError::param(
+            "epsilon",
+            format!("must be >= 0, got {eps}"),
+        ));
     }
     let grid = sorted(orders, rdp)?;
     if eps == f64::INFINITY {
-        return Ok(Optimum { value: 0.0, order: grid[0].0, at_edge: false });
+        return Ok(Optimum {
+            value: 0.0,
+            order: grid[0].0,
+            at_edge: false,
+        });
     }
     let mut o = optimise(&grid, &rdp_fn, |a, r| log_delta_at(a, r, eps));
-    o.value = if o.value == f64::NEG_INFINITY { 0.0 } else { round_up(o.value.exp(), 1e-13).min(1.0) };
+    o.value = if o.value == f64::NEG_INFINITY {
+        0.0
+    } else {
+        round_up(o.value.exp(), 1e-13).min(1.0)
+    };
     Ok(o)
 }
 
@@ -222,11 +324,22 @@ mod tests {
         let orders: Vec<f64> = (2..=64).map(|a| a as f64).collect();
         let rdp: Vec<f64> = orders.iter().map(|a| c * a).collect();
         let o = epsilon(&orders, &rdp, |a| c * a, 1e-5).unwrap();
-        let grid_best = orders.iter().map(|&a| eps_at(a, c * a, 1e-5f64.ln())).fold(f64::INFINITY, f64::min);
+        let grid_best = orders
+            .iter()
+            .map(|&a| eps_at(a, c * a, 1e-5f64.ln()))
+            .fold(f64::INFINITY, f64::min);
         assert!(o.value <= grid_best);
         // Fine scan confirms the optimum.
-        let fine = (0..200000).map(|i| 2.0 + i as f64 * 3e-4).map(|a| eps_at(a, c * a, 1e-5f64.ln())).fold(f64::INFINITY, f64::min);
-        assert!(o.value >= fine * (1.0 - 1e-9) && o.value <= fine * (1.0 + 1e-8), "{} vs {}", o.value, fine);
+        let fine = (0..200000)
+            .map(|i| 2.0 + i as f64 * 3e-4)
+            .map(|a| eps_at(a, c * a, 1e-5f64.ln()))
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            o.value >= fine * (1.0 - 1e-9) && o.value <= fine * (1.0 + 1e-8),
+            "{} vs {}",
+            o.value,
+            fine
+        );
         assert!(!o.at_edge);
     }
 

@@ -51,7 +51,10 @@ pub struct Composition {
 
 fn check_count(c: f64) -> DpResult<()> {
     if !(c >= 0.0 && c.is_finite()) {
-        return Err(DpError::param("count", format!("must be a finite count >= 0, got {c}")));
+        return Err(DpError::param(
+            "count",
+            format!("must be a finite count >= 0, got {c}"),
+        ));
     }
     Ok(())
 }
@@ -59,7 +62,12 @@ fn check_count(c: f64) -> DpResult<()> {
 impl Composition {
     /// `poisson`: (q, z, count); `wor`: (sample/source ratio, z, count). `max_order` sizes the
     /// tables of the without-replacement bound.
-    pub fn new(poisson: &[(f64, f64, f64)], wor: &[(f64, f64, f64)], non_private: bool, max_order: f64) -> DpResult<Self> {
+    pub fn new(
+        poisson: &[(f64, f64, f64)],
+        wor: &[(f64, f64, f64)],
+        non_private: bool,
+        max_order: f64,
+    ) -> DpResult<Self> {
         let mut steps = Vec::with_capacity(poisson.len() + wor.len());
         for &(q, z, c) in poisson {
             check_count(c)?;
@@ -71,7 +79,12 @@ impl Composition {
         }
         let built: Vec<DpResult<(Step, f64)>> = wor
             .par_iter()
-            .map(|&(g, z, c)| Ok((Step::WithoutReplacement(WithoutReplacementGaussian::new(g, z, max_order)?), c)))
+            .map(|&(g, z, c)| {
+                Ok((
+                    Step::WithoutReplacement(WithoutReplacementGaussian::new(g, z, max_order)?),
+                    c,
+                ))
+            })
             .collect();
         for b in built {
             steps.push(b?);

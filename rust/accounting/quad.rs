@@ -44,7 +44,10 @@ struct Acc {
 }
 
 impl Acc {
-    const ZERO: Acc = Acc { scale: f64::NEG_INFINITY, mant: 0.0 };
+    const ZERO: Acc = Acc {
+        scale: f64::NEG_INFINITY,
+        mant: 0.0,
+    };
     #[inline]
     fn push(&mut self, v: f64) {
         if v <= self.scale {
@@ -79,7 +82,15 @@ fn log_abs_diff(a: f64, b: f64) -> f64 {
 /// `h0` and halving until successive sums differ by at most `rel_tol` relative (or the lattice
 /// would exceed `max_nodes`). `f` may return −∞ (zero integrand) but never NaN. The caller
 /// accounts for the mass outside [lo, hi] (the end-point values are added to the error).
-pub fn trapezoid_exp<F: Fn(f64) -> f64>(f: F, anchor: f64, lo: f64, hi: f64, h0: f64, rel_tol: f64, max_nodes: usize) -> LogIntegral {
+pub fn trapezoid_exp<F: Fn(f64) -> f64>(
+    f: F,
+    anchor: f64,
+    lo: f64,
+    hi: f64,
+    h0: f64,
+    rel_tol: f64,
+    max_nodes: usize,
+) -> LogIntegral {
     let mut h = h0;
     let k_lo = ((lo - anchor) / h).ceil() as i64;
     let k_hi = ((hi - anchor) / h).floor() as i64;
@@ -109,7 +120,11 @@ pub fn trapezoid_exp<F: Fn(f64) -> f64>(f: F, anchor: f64, lo: f64, hi: f64, h0:
         let log_err = log_add(log_diff, h.ln() + 1.0 + ends);
         let done = log_t_new == f64::NEG_INFINITY || log_diff <= log_t_new + rel_tol.ln();
         if done || 2 * nodes > max_nodes {
-            return LogIntegral { log_value: log_t_new, log_err, converged: done };
+            return LogIntegral {
+                log_value: log_t_new,
+                log_err,
+                converged: done,
+            };
         }
         log_t = log_t_new;
     }
@@ -121,7 +136,15 @@ mod tests {
 
     #[test]
     fn gaussian_integral_at_a_huge_scale() {
-        let r = trapezoid_exp(|x| 5000.0 - 0.5 * x * x, 0.3, -40.0, 40.0, 1.0, 1e-13, 1 << 20);
+        let r = trapezoid_exp(
+            |x| 5000.0 - 0.5 * x * x,
+            0.3,
+            -40.0,
+            40.0,
+            1.0,
+            1e-13,
+            1 << 20,
+        );
         let want = 5000.0 + (2.0 * std::f64::consts::PI).sqrt().ln();
         assert!((r.log_value - want).abs() < 1e-13 * want, "{r:?}");
         assert!(r.converged && r.log_upper() >= r.log_value);
@@ -130,7 +153,15 @@ mod tests {
     #[test]
     fn narrow_peak_needs_halving() {
         let s = 0.01;
-        let r = trapezoid_exp(|x: f64| -0.5 * ((x - 3.3) / s).powi(2), 0.0, 0.0, 10.0, 1.0, 1e-12, 1 << 22);
+        let r = trapezoid_exp(
+            |x: f64| -0.5 * ((x - 3.3) / s).powi(2),
+            0.0,
+            0.0,
+            10.0,
+            1.0,
+            1e-12,
+            1 << 22,
+        );
         let want = (s * (2.0 * std::f64::consts::PI).sqrt()).ln();
         assert!((r.log_value - want).abs() < 1e-11, "{r:?} vs {want}");
         assert!(r.converged);

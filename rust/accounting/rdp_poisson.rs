@@ -46,7 +46,10 @@ pub fn check_z(z: f64, name: &'static str) -> DpResult<()> {
 
 pub fn check_order(alpha: f64) -> DpResult<()> {
     if !(alpha > 1.0) {
-        return Err(DpError::param("orders", format!("every order must be > 1, got {alpha}")));
+        return Err(DpError::param(
+            "orders",
+            format!("every order must be > 1, got {alpha}"),
+        ));
     }
     Ok(())
 }
@@ -148,7 +151,12 @@ impl SubsampledGaussian {
         let x0 = z2 * (l1q - lq) + 0.5;
         let logf = |x: f64| {
             let t = (2.0 * x - 1.0) * inv2z2;
-            -x * x * inv2z2 + if x <= x0 || t <= 0.0 { g.ln_left(q, lq, t) } else { g.ln_right(lq, t) }
+            -x * x * inv2z2
+                + if x <= x0 || t <= 0.0 {
+                    g.ln_left(q, lq, t)
+                } else {
+                    g.ln_right(lq, t)
+                }
         };
         let top = alpha.max(2.0);
         // Step: resolves Gaussian bumps of width z, and the branch points of (1 + u)^α at
@@ -163,15 +171,17 @@ impl SubsampledGaussian {
             // Left tail, x ≤ lo ≤ 0: u ∈ (−q, 0) and g decreases there, so g ≤ g(−q); the
             // Gaussian tail is bounded by Mills' ratio Φ̄(s) ≤ φ(s)/s.
             let s_lo = -lo / z;
-            let log_tail_lo = g.ln_left(q, lq, f64::NEG_INFINITY) - 0.5 * s_lo * s_lo - LN_SQRT_2PI - s_lo.ln();
+            let log_tail_lo =
+                g.ln_left(q, lq, f64::NEG_INFINITY) - 0.5 * s_lo * s_lo - LN_SQRT_2PI - s_lo.ln();
             // Right tail, x ≥ hi > α: g(u) ≤ (1+u)^α ≤ (qL)^α (1 + (1−q)/(q L(hi)))^α, and
             // φ_z(x) L(x)^α = e^{α(α−1)/(2z²)} φ_z(x − α).
             let t_hi = (2.0 * hi - 1.0) * inv2z2;
             let s_hi = (hi - alpha) / z;
-            let log_tail_hi = alpha * ln1p_exp(l1q - lq - t_hi) + alpha * lq + alpha * (alpha - 1.0) * inv2z2
-                - 0.5 * s_hi * s_hi
-                - LN_SQRT_2PI
-                - s_hi.ln();
+            let log_tail_hi =
+                alpha * ln1p_exp(l1q - lq - t_hi) + alpha * lq + alpha * (alpha - 1.0) * inv2z2
+                    - 0.5 * s_hi * s_hi
+                    - LN_SQRT_2PI
+                    - s_hi.ln();
             let log_body = r.log_upper() + norm;
             let log_tails = log_add(log_tail_lo, log_tail_hi);
             // The tails are added either way; widen the range while they are not negligible.
@@ -206,7 +216,11 @@ impl GFun {
             let k = (i + 1) as f64;
             c[i] = c[i - 1] * (alpha - k) / (k + 1.0);
         }
-        GFun { alpha, ln_alpha: alpha.ln(), c }
+        GFun {
+            alpha,
+            ln_alpha: alpha.ln(),
+            c,
+        }
     }
 
     /// log g(u) by the series u² Σ C(α,k) u^{k−2}, valid for |u| ≤ 1/4 and α|u| ≤ 2: the sum
@@ -229,7 +243,11 @@ impl GFun {
             }
         }
         // One logarithm instead of two when u² is safely representable.
-        Some(if au > 1e-100 { (u * u * sum).ln() } else { 2.0 * ln_abs_u + sum.ln() })
+        Some(if au > 1e-100 {
+            (u * u * sum).ln()
+        } else {
+            2.0 * ln_abs_u + sum.ln()
+        })
     }
 
     /// log g(u(t)) left of the crossing point, u = q·(e^t − 1) ∈ (−q, 1 − 2q].
@@ -241,7 +259,11 @@ impl GFun {
             return f64::NEG_INFINITY;
         }
         // ln|u| is only needed (and only computed) when u² would underflow.
-        let ln_abs_u = if u.abs() > 1e-100 { f64::NAN } else { lq + em1.abs().ln() };
+        let ln_abs_u = if u.abs() > 1e-100 {
+            f64::NAN
+        } else {
+            lq + em1.abs().ln()
+        };
         if let Some(v) = self.ln_series(u, ln_abs_u) {
             return v;
         }
@@ -297,13 +319,23 @@ mod tests {
 
     #[test]
     fn integral_matches_integer_sum() {
-        for &(q, z) in &[(0.01, 1.0), (0.04, 1.5), (0.5, 0.7), (1e-5, 50.0), (0.2, 0.3), (0.9, 5.0)] {
+        for &(q, z) in &[
+            (0.01, 1.0),
+            (0.04, 1.5),
+            (0.5, 0.7),
+            (1e-5, 50.0),
+            (0.2, 0.3),
+            (0.9, 5.0),
+        ] {
             let sg = SubsampledGaussian::new(q, z).unwrap();
             for a in [2u64, 3, 5, 8, 17, 40, 128] {
                 let exact = sg.log_a_int(a);
                 let quad = sg.log_a_frac(a as f64);
                 let rel = (quad - exact).abs() / exact;
-                assert!(rel < 1e-9, "q={q} z={z} a={a}: int {exact} quad {quad} rel {rel}");
+                assert!(
+                    rel < 1e-9,
+                    "q={q} z={z} a={a}: int {exact} quad {quad} rel {rel}"
+                );
             }
         }
     }

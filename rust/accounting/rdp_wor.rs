@@ -35,13 +35,26 @@ impl WithoutReplacementGaussian {
     /// `max_order`: the largest order that will be asked for (tables are built up to it).
     pub fn new(gamma: f64, sigma: f64, max_order: f64) -> DpResult<Self> {
         if !(0.0..=1.0).contains(&gamma) {
-            return Err(DpError::param("sample_size", format!("sample_size/source_size must be in [0, 1], got {gamma}")));
+            return Err(DpError::param(
+                "sample_size",
+                format!("sample_size/source_size must be in [0, 1], got {gamma}"),
+            ));
         }
         check_z(sigma, "noise_multiplier")?;
-        let mut s = WithoutReplacementGaussian { gamma, sigma, log_m_even: Vec::new() };
+        let mut s = WithoutReplacementGaussian {
+            gamma,
+            sigma,
+            log_m_even: Vec::new(),
+        };
         if gamma > 0.0 && gamma < 1.0 && sigma > 0.0 {
-            let jmax = if max_order.is_finite() { (max_order.ceil() as u64 + 1).min(MAX_EXACT_J) } else { MAX_EXACT_J };
-            s.log_m_even = (1..=jmax.div_ceil(2)).map(|h| log_chi_moment(sigma, 2 * h)).collect();
+            let jmax = if max_order.is_finite() {
+                (max_order.ceil() as u64 + 1).min(MAX_EXACT_J)
+            } else {
+                MAX_EXACT_J
+            };
+            s.log_m_even = (1..=jmax.div_ceil(2))
+                .map(|h| log_chi_moment(sigma, 2 * h))
+                .collect();
         }
         Ok(s)
     }
@@ -99,7 +112,11 @@ impl WithoutReplacementGaussian {
         let cgf = |k: u64| if k <= 1 { 0.0 } else { self.log_a_int(k) };
         let lo = alpha.floor();
         let t = alpha - lo;
-        let k = if t == 0.0 { cgf(lo as u64) } else { (1.0 - t) * cgf(lo as u64) + t * cgf(lo as u64 + 1) };
+        let k = if t == 0.0 {
+            cgf(lo as u64)
+        } else {
+            (1.0 - t) * cgf(lo as u64) + t * cgf(lo as u64 + 1)
+        };
         // Subsampling never hurts: the sampled mechanism is the Gaussian mechanism applied to a
         // subset that changes in at most one record, so α/(2σ²) bounds it too.
         let base = alpha / (2.0 * s * s);
@@ -117,7 +134,13 @@ fn log_chi_moment(sigma: f64, j: u64) -> f64 {
     }
     let logf = |x: f64| {
         let t = (2.0 * x - 1.0) * inv2s2;
-        let l = if t > 0.0 { ln_expm1(t) } else if t < 0.0 { (-t.exp_m1()).ln() } else { f64::NEG_INFINITY };
+        let l = if t > 0.0 {
+            ln_expm1(t)
+        } else if t < 0.0 {
+            (-t.exp_m1()).ln()
+        } else {
+            f64::NEG_INFINITY
+        };
         -x * x * inv2s2 + jf * l
     };
     let h0 = (0.5 * sigma).min(0.7 * s2).max(1e-4 * jf);
@@ -165,7 +188,10 @@ mod tests {
             for j in [2u64, 4, 6, 8] {
                 let d = m_direct(s, j).ln();
                 let q = log_chi_moment(s, j);
-                assert!((d - q).abs() < 1e-9 * d.abs().max(1.0), "s={s} j={j}: {d} vs {q}");
+                assert!(
+                    (d - q).abs() < 1e-9 * d.abs().max(1.0),
+                    "s={s} j={j}: {d} vs {q}"
+                );
             }
         }
     }

@@ -10,12 +10,21 @@ use rayon::prelude::*;
 type Groups = Vec<(f64, f64, f64)>;
 
 fn max_order(orders: &[f64]) -> f64 {
-    orders.iter().copied().filter(|a| a.is_finite()).fold(2.0, f64::max)
+    orders
+        .iter()
+        .copied()
+        .filter(|a| a.is_finite())
+        .fold(2.0, f64::max)
 }
 
 /// One step's RDP of the Poisson-subsampled Gaussian at each order.
 #[pyfunction]
-fn rdp_poisson_subsampled_gaussian(py: Python<'_>, q: f64, z: f64, orders: Vec<f64>) -> PyResult<Py<PyAny>> {
+fn rdp_poisson_subsampled_gaussian(
+    py: Python<'_>,
+    q: f64,
+    z: f64,
+    orders: Vec<f64>,
+) -> PyResult<Py<PyAny>> {
     let v = detached(py, || {
         crate::accounting::check_orders(&orders)?;
         let c = Composition::new(&[(q, z, 1.0)], &[], false, max_order(&orders))?;
@@ -26,7 +35,13 @@ fn rdp_poisson_subsampled_gaussian(py: Python<'_>, q: f64, z: f64, orders: Vec<f
 
 /// Total RDP of a composition at each order. `poisson`: (q, z, count); `wor`: (m/n, z, count).
 #[pyfunction]
-fn rdp_composition(py: Python<'_>, poisson: Groups, wor: Groups, non_private: bool, orders: Vec<f64>) -> PyResult<Py<PyAny>> {
+fn rdp_composition(
+    py: Python<'_>,
+    poisson: Groups,
+    wor: Groups,
+    non_private: bool,
+    orders: Vec<f64>,
+) -> PyResult<Py<PyAny>> {
     let v = detached(py, || {
         crate::accounting::check_orders(&orders)?;
         let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
@@ -38,7 +53,12 @@ fn rdp_composition(py: Python<'_>, poisson: Groups, wor: Groups, non_private: bo
 /// One row per group (Poisson groups first, then without-replacement ones), flattened:
 /// RDP of a single step of each group at each order. Counts are ignored.
 #[pyfunction]
-fn rdp_per_group(py: Python<'_>, poisson: Groups, wor: Groups, orders: Vec<f64>) -> PyResult<Py<PyAny>> {
+fn rdp_per_group(
+    py: Python<'_>,
+    poisson: Groups,
+    wor: Groups,
+    orders: Vec<f64>,
+) -> PyResult<Py<PyAny>> {
     let v = detached(py, || {
         crate::accounting::check_orders(&orders)?;
         let c = Composition::new(&poisson, &wor, false, max_order(&orders))?;
@@ -87,7 +107,9 @@ fn epsilon_composition(
     delta: f64,
     rdp: Option<Vec<f64>>,
 ) -> PyResult<(f64, f64, bool)> {
-    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| conversion::epsilon(o, g, f, delta))
+    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| {
+        conversion::epsilon(o, g, f, delta)
+    })
 }
 
 /// (δ, best order, at edge) for a composition at `epsilon`.
@@ -102,13 +124,20 @@ fn delta_composition(
     epsilon: f64,
     rdp: Option<Vec<f64>>,
 ) -> PyResult<(f64, f64, bool)> {
-    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| conversion::delta(o, g, f, epsilon))
+    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| {
+        conversion::delta(o, g, f, epsilon)
+    })
 }
 
 /// (ε, best order) from RDP values on a grid alone: no continuous search (nothing is known
 /// between the orders).
 #[pyfunction]
-fn epsilon_from_rdp(py: Python<'_>, orders: Vec<f64>, rdp: Vec<f64>, delta: f64) -> PyResult<(f64, f64)> {
+fn epsilon_from_rdp(
+    py: Python<'_>,
+    orders: Vec<f64>,
+    rdp: Vec<f64>,
+    delta: f64,
+) -> PyResult<(f64, f64)> {
     detached(py, || {
         let o = conversion::epsilon(&orders, &rdp, |_| f64::INFINITY, delta)?;
         Ok((o.value, o.order))
@@ -116,18 +145,45 @@ fn epsilon_from_rdp(py: Python<'_>, orders: Vec<f64>, rdp: Vec<f64>, delta: f64)
 }
 
 #[pyfunction]
-fn calibrate_noise_multiplier(py: Python<'_>, target_epsilon: f64, target_delta: f64, q: f64, steps: f64, orders: Vec<f64>) -> PyResult<f64> {
-    detached(py, || calibration::noise_multiplier(target_epsilon, target_delta, q, steps, &orders))
+fn calibrate_noise_multiplier(
+    py: Python<'_>,
+    target_epsilon: f64,
+    target_delta: f64,
+    q: f64,
+    steps: f64,
+    orders: Vec<f64>,
+) -> PyResult<f64> {
+    detached(py, || {
+        calibration::noise_multiplier(target_epsilon, target_delta, q, steps, &orders)
+    })
 }
 
 #[pyfunction]
-fn calibrate_sampling_probability(py: Python<'_>, target_epsilon: f64, target_delta: f64, z: f64, steps: f64, orders: Vec<f64>) -> PyResult<f64> {
-    detached(py, || calibration::sampling_probability(target_epsilon, target_delta, z, steps, &orders))
+fn calibrate_sampling_probability(
+    py: Python<'_>,
+    target_epsilon: f64,
+    target_delta: f64,
+    z: f64,
+    steps: f64,
+    orders: Vec<f64>,
+) -> PyResult<f64> {
+    detached(py, || {
+        calibration::sampling_probability(target_epsilon, target_delta, z, steps, &orders)
+    })
 }
 
 #[pyfunction]
-fn calibrate_steps(py: Python<'_>, target_epsilon: f64, target_delta: f64, q: f64, z: f64, orders: Vec<f64>) -> PyResult<u64> {
-    detached(py, || calibration::steps(target_epsilon, target_delta, q, z, &orders))
+fn calibrate_steps(
+    py: Python<'_>,
+    target_epsilon: f64,
+    target_delta: f64,
+    q: f64,
+    z: f64,
+    orders: Vec<f64>,
+) -> PyResult<u64> {
+    detached(py, || {
+        calibration::steps(target_epsilon, target_delta, q, z, &orders)
+    })
 }
 
 /// log A_α by quadrature at any real α > 1 (tests compare it with the exact integer sums).

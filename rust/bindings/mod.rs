@@ -59,7 +59,9 @@ fn hold<'py>(arrays: &[Bound<'py, PyAny>]) -> PyResult<(usize, Vec<(Held<'py>, u
             )));
         };
         let Some((&b, rest)) = shape.split_first() else {
-            return Err(PyValueError::new_err(format!("array {k}: needs a leading record axis")));
+            return Err(PyValueError::new_err(format!(
+                "array {k}: needs a leading record axis"
+            )));
         };
         if *batch.get_or_insert(b) != b {
             return Err(PyValueError::new_err(format!(
@@ -72,10 +74,18 @@ fn hold<'py>(arrays: &[Bound<'py, PyAny>]) -> PyResult<(usize, Vec<(Held<'py>, u
     Ok((batch.unwrap_or(0), held))
 }
 
-fn records<'a>(batch: usize, held: &'a [(Held<'_>, usize)], scales: Option<&[f64]>) -> PyResult<Records<'a>> {
+fn records<'a>(
+    batch: usize,
+    held: &'a [(Held<'_>, usize)],
+    scales: Option<&[f64]>,
+) -> PyResult<Records<'a>> {
     if let Some(s) = scales {
         if s.len() != held.len() {
-            return Err(PyValueError::new_err(format!("scales: {} values for {} arrays", s.len(), held.len())));
+            return Err(PyValueError::new_err(format!(
+                "scales: {} values for {} arrays",
+                s.len(),
+                held.len()
+            )));
         }
     }
     let not_contig = |_| PyValueError::new_err("arrays must be C-contiguous");
@@ -118,15 +128,30 @@ fn gaussian_sum_flat(
     let (batch, held) = hold(&arrays)?;
     let rec = records(batch, &held, scales.as_deref())?;
     let seed = Seed::from_option(seed);
-    let (outs, norms) =
-        detached(py, || gaussian_sum_as(&rec, l2_norm_clip, noise_multiplier, denominator, seed, f64_out))?;
-    Ok((outputs(py, outs), PyArray1::from_vec(py, norms).into_any().unbind()))
+    let (outs, norms) = detached(py, || {
+        gaussian_sum_as(
+            &rec,
+            l2_norm_clip,
+            noise_multiplier,
+            denominator,
+            seed,
+            f64_out,
+        )
+    })?;
+    Ok((
+        outputs(py, outs),
+        PyArray1::from_vec(py, norms).into_any().unbind(),
+    ))
 }
 
 /// The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,).
 #[pyfunction]
 #[pyo3(signature = (arrays, scales=None))]
-fn record_norms(py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>, scales: Option<Vec<f64>>) -> PyResult<Py<PyAny>> {
+fn record_norms(
+    py: Python<'_>,
+    arrays: Vec<Bound<'_, PyAny>>,
+    scales: Option<Vec<f64>>,
+) -> PyResult<Py<PyAny>> {
     let (batch, held) = hold(&arrays)?;
     let rec = records(batch, &held, scales.as_deref())?;
     let norms = detached(py, || clip::record_norms(&rec))?;
@@ -136,12 +161,22 @@ fn record_norms(py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>, scales: Option<Ve
 /// `n` values of N(0, stddev²), flat.
 #[pyfunction]
 #[pyo3(signature = (n, stddev, double, seed=None))]
-fn gaussian_flat(py: Python<'_>, n: usize, stddev: f64, double: bool, seed: Option<u64>) -> PyResult<Py<PyAny>> {
+fn gaussian_flat(
+    py: Python<'_>,
+    n: usize,
+    stddev: f64,
+    double: bool,
+    seed: Option<u64>,
+) -> PyResult<Py<PyAny>> {
     let key = Seed::from_option(seed).key().map_err(to_py)?;
     Ok(if double {
-        PyArray1::from_vec(py, detached(py, || gaussian::<f64>(n, stddev, &key))?).into_any().unbind()
+        PyArray1::from_vec(py, detached(py, || gaussian::<f64>(n, stddev, &key))?)
+            .into_any()
+            .unbind()
     } else {
-        PyArray1::from_vec(py, detached(py, || gaussian::<f32>(n, stddev, &key))?).into_any().unbind()
+        PyArray1::from_vec(py, detached(py, || gaussian::<f32>(n, stddev, &key))?)
+            .into_any()
+            .unbind()
     })
 }
 
@@ -149,7 +184,9 @@ fn gaussian_flat(py: Python<'_>, n: usize, stddev: f64, double: bool, seed: Opti
 #[pyfunction]
 #[pyo3(signature = (n, q, seed=None))]
 fn poisson_sample(py: Python<'_>, n: u64, q: f64, seed: Option<u64>) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || sampling::poisson_sample(n, q, Seed::from_option(seed)))?;
+    let v = detached(py, || {
+        sampling::poisson_sample(n, q, Seed::from_option(seed))
+    })?;
     Ok(PyArray1::from_vec(py, v).into_any().unbind())
 }
 
@@ -157,7 +194,9 @@ fn poisson_sample(py: Python<'_>, n: u64, q: f64, seed: Option<u64>) -> PyResult
 #[pyfunction]
 #[pyo3(signature = (n, b, seed=None))]
 fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || sampling::fixed_size_sample(n, b, Seed::from_option(seed)))?;
+    let v = detached(py, || {
+        sampling::fixed_size_sample(n, b, Seed::from_option(seed))
+    })?;
     Ok(PyArray1::from_vec(py, v).into_any().unbind())
 }
 
