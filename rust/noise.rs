@@ -85,15 +85,17 @@ fn fill_chunk<T: NoiseElem, F: Fn(usize, f64) -> f64>(
     }
 }
 
-/// A vector of `n` values, chunk `c` written by `fill(c, chunk)` in parallel. The memory is
-/// first touched by the workers, so its page faults are taken in parallel too.
+/// A vector of `n` values, chunk `c` written by `fill(c, chunk)`, in parallel when `parallel`
+/// and there is more than one chunk. The memory is first touched by the workers, so its page
+/// faults are taken in parallel too.
 fn build<T: Send, F: Fn(usize, &mut [MaybeUninit<T>]) + Sync>(
     n: usize,
+    parallel: bool,
     fill: F,
 ) -> DpResult<Vec<T>> {
     let mut out: Vec<T> = try_with_capacity(n)?;
     let spare = &mut out.spare_capacity_mut()[..n];
-    if n > NOISE_CHUNK {
+    if parallel && n > NOISE_CHUNK {
         spare
             .par_chunks_mut(NOISE_CHUNK)
             .enumerate()
@@ -109,10 +111,12 @@ fn build<T: Send, F: Fn(usize, &mut [MaybeUninit<T>]) + Sync>(
     Ok(out)
 }
 
-/// `n` independent N(0, stddev²) values of type T, computed in f64 and rounded once.
-pub fn gaussian<T: NoiseElem>(n: usize, stddev: f64, key: &Key) -> DpResult<Vec<T>> {
+/// `n` independent N(0, stddev²) values of type T, computed in f64 and rounded once. With
+/// `parallel` false, all the work stays on the calling thread (for callers that generate noise
+/// in the background of other parallel work); the values are the same either way.
+pub fn gaussian<T: NoiseElem>(n: usize, stddev: f64, key: &Key, parallel: bool) -> DpResult<Vec<T>> {
     check_stddev(stddev)?;
-    build(n, |c, o| {
+    build(n, parallel, |c, o| {
         fill_chunk(key, stream_id(Domain::Noise, 0, c), stddev, o, |_, e| e)
     })
 }
@@ -126,7 +130,7 @@ pub fn noised_part<T: NoiseElem>(
     key: &Key,
     part: usize,
 ) -> DpResult<Vec<T>> {
-    build(sum.len(), |c, o| {
+    build(sum.len(), true, |c, o| {
         let s = &sum[c * NOISE_CHUNK..];
         fill_chunk(key, stream_id(Domain::Noise, part, c), stddev, o, |j, e| {
             (s[j] + e) / denominator
@@ -142,7 +146,7 @@ mod tests {
     #[test]
     fn moments_of_standard_noise() {
         let key = Seed::Fixed(1).key().unwrap();
-        let x: Vec<f64> = gaussian(400_000, 2.0, &key).unwrap();
+        let x: Vec<f64> = gaussian(400_000, 2.0, &key, true).unwrap();
         let n = x.len() as f64;
         let mean = x.iter().sum::<f64>() / n;
         let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
@@ -162,9 +166,10 @@ mod tests {
             .num_threads(3)
             .build()
             .unwrap();
-        let a: Vec<f32> = one.install(|| gaussian(100_003, 1.0, &key).unwrap());
-        let b: Vec<f32> = three.install(|| gaussian(100_003, 1.0, &key).unwrap());
+        let a: Vec<f32> = one.install(|| gaussian(100_003, 1.0, &key, true).unwrap());
+        let b: Vec<f32> = three.install(|| gaussian(100_003, 1.0, &key, true).unwrap());
         assert_eq!(a, b);
+        assert_eq!(a, gaussian::<f32>(100_003, 1.0, &key, false).unwrap());
     }
 
     #[test]
@@ -180,7 +185,7 @@ mod tests {
     fn impossible_allocation_is_an_error_not_an_abort() {
         let key = Seed::Fixed(3).key().unwrap();
         assert!(matches!(
-            gaussian::<f64>(usize::MAX / 16, 1.0, &key),
+            gaussian::<f64>(usize::MAX / 16, 1.0, &key, true),
             Err(DpError::OutOfMemory { .. })
         ));
     }
@@ -189,7 +194,7 @@ mod tests {
     fn rejects_bad_stddev() {
         let key = Seed::Fixed(3).key().unwrap();
         for s in [-1.0, f64::NAN, f64::INFINITY] {
-            assert!(gaussian::<f64>(3, s, &key).is_err());
+            assert!(gaussian::<f64>(3, s, &key, true).is_err());
         }
     }
 }

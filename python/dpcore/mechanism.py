@@ -182,11 +182,14 @@ def gaussian_noise(
     *,
     dtype: Any = np.float32,
     seed: Optional[int] = None,
+    parallel: bool = True,
 ) -> np.ndarray:
     """An array of i.i.d. N(0, stddev²) values from ChaCha20 (sampled in float64, rounded once).
 
     The noise of the Gaussian mechanism (McMahan et al. 2018, §1 step 3). Keyed from the OS on
     every call; ``seed`` is for tests and reproductions only (see the module docs).
+    ``parallel=False`` keeps the work on the calling thread, for noise drawn in the background
+    of other parallel work; the values do not depend on it.
     """
     dt = np.dtype(dtype)
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
@@ -201,5 +204,5 @@ def gaussian_noise(
         raise ValueError(f"shape must not have negative dimensions, got {shape}")
     sd = _real("stddev", stddev)
     n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    flat = _core.gaussian_flat(n, sd, dt == np.float64, _seed(seed))
+    flat = _core.gaussian_flat(n, sd, dt == np.float64, _seed(seed), bool(parallel))
     return flat.reshape(shape)

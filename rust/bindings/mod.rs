@@ -158,23 +158,24 @@ fn record_norms(
     Ok(PyArray1::from_vec(py, norms).into_any().unbind())
 }
 
-/// `n` values of N(0, stddev²), flat.
+/// `n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread.
 #[pyfunction]
-#[pyo3(signature = (n, stddev, double, seed=None))]
+#[pyo3(signature = (n, stddev, double, seed=None, parallel=true))]
 fn gaussian_flat(
     py: Python<'_>,
     n: usize,
     stddev: f64,
     double: bool,
     seed: Option<u64>,
+    parallel: bool,
 ) -> PyResult<Py<PyAny>> {
     let key = Seed::from_option(seed).key().map_err(to_py)?;
     Ok(if double {
-        PyArray1::from_vec(py, detached(py, || gaussian::<f64>(n, stddev, &key))?)
+        PyArray1::from_vec(py, detached(py, || gaussian::<f64>(n, stddev, &key, parallel))?)
             .into_any()
             .unbind()
     } else {
-        PyArray1::from_vec(py, detached(py, || gaussian::<f32>(n, stddev, &key))?)
+        PyArray1::from_vec(py, detached(py, || gaussian::<f32>(n, stddev, &key, parallel))?)
             .into_any()
             .unbind()
     })

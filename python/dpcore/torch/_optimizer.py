@@ -14,6 +14,7 @@ import numbers
 import os
 import tempfile
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -164,6 +165,11 @@ class DPOptimizer(torch.optim.Optimizer):
         ]
         self._acc: List[Optional[torch.Tensor]] = [None] * m
         self._records = 0
+        # Standard normals for the next release, drawn on a background thread while the training
+        # loop runs its forward and backward passes (see _standard_noise).
+        self._noise_worker: Optional[ThreadPoolExecutor] = None
+        self._next_noise: Optional[Tuple[int, Future]] = None
+        self._ledger_worker: Optional[ThreadPoolExecutor] = None
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -219,14 +225,14 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- the DP step ------------------------------------------------------------------
 
     @torch.no_grad()
-    def _accumulate(self) -> int:
-        """Clips this micro-batch's records into the accumulators; returns its record count."""
+    def _clip_factors(self) -> Tuple[int, List[Optional[torch.Tensor]]]:
+        """This micro-batch's record count and each parameter's per-record factor
+        c_i/denominator; raises (recording nothing) on a non-finite per-record gradient."""
         b, sq = self.engine.squared_norms()
-        if b == 0:
-            self.engine.clear()
-            return 0
-        dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
         factors: List[Optional[torch.Tensor]] = [None] * len(sq)
+        if b == 0:
+            return 0, factors
+        dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
         for g, margin in zip(self._groups, self._margins):
             tot = torch.zeros(b, dtype=torch.float64, device=dev)
             for k, a in zip(g.members, g.scales):
@@ -236,34 +242,83 @@ class DPOptimizer(torch.optim.Optimizer):
             c = clip_factors(tot, g.clip, margin) / g.denominator
             for k in g.members:
                 factors[k] = c
+        return b, factors
+
+    @torch.no_grad()
+    def _accumulate(self, b: int, factors: List[Optional[torch.Tensor]]) -> None:
+        """Adds this micro-batch's clipped records into the accumulators."""
+        if b == 0:
+            self.engine.clear()
+            return
         sums = self.engine.clipped_sums(factors)
         for k, s in enumerate(sums):
             if s is not None:
                 self._acc[k] = s if self._acc[k] is None else self._acc[k].add_(s)
-        return b
+
+    def _event(self) -> Any:
+        events = [g.event() for g in self._groups]
+        return events[0] if self.clipping != "per_layer" else ComposedQueryEvent(tuple(events))
+
+    def _start_ledger_write(self) -> Future:
+        """Starts writing this release's entries (write + fsync) on a background thread.
+
+        Started once the records passed every check, so the disk's latency overlaps the
+        clipped-sum products; :meth:`_release` waits for it before any noised gradient reaches
+        the model, so the entry is durable first (McMahan et al. 2018, §6). If the products
+        fail after this point the ledger over-counts one release, the safe direction."""
+        if self._ledger_worker is None:
+            self._ledger_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-ledger")
+        return self._ledger_worker.submit(self.ledger.record_release, self._event())
+
+    def _draw_standard_noise(self, step: int) -> List[List[torch.Tensor]]:
+        """ChaCha20 N(0, 1) draws for release ``step``, one array per group member, from the core
+        (keyed from the OS, or derived from the test seed)."""
+        out = []
+        for gi, g in enumerate(self._groups):
+            row = []
+            for j, k in enumerate(g.members):
+                p = self._params[k]
+                ndt = np.float64 if p.dtype == torch.float64 else np.float32
+                z = gaussian_noise(
+                    tuple(p.shape), 1.0, dtype=ndt, seed=derive_seed(self._seed, step, gi, j), parallel=True
+                )
+                row.append(torch.from_numpy(z))
+            out.append(row)
+        return out
+
+    def _standard_noise(self, step: int) -> List[List[torch.Tensor]]:
+        """The draws for release ``step``, and the next release's draws started in the background.
+
+        Noise does not depend on the data, so drawing it ahead changes nothing in the mechanism;
+        it lets the core's generator run while torch computes the next backward pass instead of
+        after it. Each draw is used once: it is dropped from here as it is handed out."""
+        pending, self._next_noise = self._next_noise, None
+        if pending is not None and pending[0] == step:
+            z = pending[1].result()
+        else:
+            z = self._draw_standard_noise(step)
+        if self._noise_worker is None:
+            self._noise_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-noise")
+        self._next_noise = (step + 1, self._noise_worker.submit(self._draw_standard_noise, step + 1))
+        return z
 
     @torch.no_grad()
-    def _release(self) -> None:
+    def _release(self, write: Future) -> None:
         step = self._releases
+        std = self._standard_noise(step)
         grads: Dict[int, torch.Tensor] = {}
         for gi, g in enumerate(self._groups):
             sd = g.gs.stddev / g.denominator
             for j, (k, a) in enumerate(zip(g.members, g.scales)):
                 p = self._params[k]
-                ndt = np.float64 if p.dtype == torch.float64 else np.float32
-                # ChaCha20 noise from the core, N(0, (α_j·σ̃/den)²): the noise of the sum, divided
-                # by the denominator like the clipped sum. Shared with torch without a copy on
-                # CPU; copied to the device otherwise.
-                noise = torch.from_numpy(
-                    gaussian_noise(tuple(p.shape), sd * a, dtype=ndt, seed=derive_seed(self._seed, step, gi, j))
-                )
-                noise = noise.to(device=p.device, dtype=p.dtype, non_blocking=True)
+                # N(0, (α_j·σ̃/den)²): the noise of the sum, divided by the denominator like the
+                # clipped sum. Shared with torch without a copy on CPU; copied to the device
+                # otherwise.
+                z = std[gi][j].to(device=p.device, dtype=p.dtype, non_blocking=True)
                 acc = self._acc[k]
-                grads[k] = noise if acc is None else acc.add_(noise)
-        events = [g.event() for g in self._groups]
-        event = events[0] if self.clipping != "per_layer" else ComposedQueryEvent(tuple(events))
+                grads[k] = z.mul_(sd * a) if acc is None else acc.add_(z, alpha=sd * a)
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
-        self.ledger.record_release(event)
+        write.result()
         self._releases += 1
         for k, gr in grads.items():
             self._params[k].grad = gr
@@ -280,22 +335,33 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._records += self._accumulate()
-        if not self._logical_complete():
+        releasing = self._logical_complete()
+        dl = self.data_loader
+        drawn = getattr(dl, "samples_drawn", None)
+        if releasing and drawn is not None and drawn <= self._drawn_at_release:
+            self.engine.clear()
+            raise RuntimeError(
+                "no new Poisson sample since the last release: call step() once per (micro-)batch that the "
+                "DPDataLoader yields, never twice for one batch"
+            )
+        b, factors = self._clip_factors()
+        if not releasing:
+            self._accumulate(b, factors)
+            self._records += b
             for p in self._params:
                 p.grad = None
             self.last_step_released = False
             return loss
-        dl = self.data_loader
-        drawn = getattr(dl, "samples_drawn", None)
+        write = self._start_ledger_write()
+        try:
+            self._accumulate(b, factors)
+        except BaseException:
+            write.result()  # the entry stands (over-counting is the safe side); surface the error
+            raise
+        self._records += b
         if drawn is not None:
-            if drawn <= self._drawn_at_release:
-                raise RuntimeError(
-                    "no new Poisson sample since the last release: call step() once per (micro-)batch that the "
-                    "DPDataLoader yields, never twice for one batch"
-                )
             self._drawn_at_release = drawn
-        self._release()
+        self._release(write)
         self._records = 0
         self.original_optimizer.step()
         self.last_step_released = True
