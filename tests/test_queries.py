@@ -22,6 +22,7 @@ from dpcore.queries import (
     NonPrivateQueryEvent,
     NoPrivacyQuery,
     QuantileAdaptiveClipQuery,
+    ReleasePlan,
     SumQueryEvent,
     dimension_weighted_clip_norms,
     dimensionality_adjusted_noise,
@@ -106,6 +107,38 @@ def test_joint_clipping_noise_is_alpha_j_sigma():
     # The privacy tuple is (S_g, σ_g) whatever the scales (§2).
     assert ev == SumQueryEvent(1.0, 0.01)
     assert effective_noise_multiplier(ev.privacy_tuples()) == pytest.approx(0.01, rel=1e-14)
+
+
+def test_release_plan_is_what_get_noised_result_does():
+    # A caller that forms the clipped sum itself (dpcore.torch) must add exactly the noise, divide
+    # by exactly the denominator and record exactly the event that get_noised_result would.
+    d, b = 30_000, 5
+    rng = np.random.default_rng(3)
+    x = [rng.standard_normal((b, d)), rng.standard_normal((b, d)) * 40]
+    t = [np.zeros(d), np.zeros(d)]
+    for q in (
+        GaussianSumQuery(2.0, 0.5),
+        GaussianAverageQuery(2.0, 0.5, 8.0),
+        JointClipQuery([1.0, 50.0], 2.0, 0.5, denominator=4.0),
+    ):
+        gs = q.initial_global_state()
+        plan = q.release_plan(gs, 2)
+        assert isinstance(plan, ReleasePlan)
+        (r1, r2), _, ev = run(q, x, t, seed=11)
+        assert plan.event == ev
+        scales = plan.part_scales
+        norms = np.sqrt(sum(np.sum((xi / a) ** 2, axis=1) for xi, a in zip(x, scales)))
+        f = np.minimum(1.0, plan.l2_norm_clip / norms)
+        for r, xi, sd in zip((r1, r2), x, plan.part_stddevs):
+            noise = r * plan.denominator - f @ xi
+            sd_ok(noise, sd)
+    assert JointClipQuery([1.0, 50.0], 2.0, 0.5).release_plan(JointClipQuery([1.0, 50.0], 2.0, 0.5).initial_global_state(), 2).part_stddevs == (0.5, 25.0)
+    with pytest.raises(ValueError, match="scales"):
+        JointClipQuery([1.0, 50.0], 2.0, 0.5).release_plan(GaussianSumQuery(2.0, 0.5).initial_global_state(), 3)
+    with pytest.raises(ValueError, match="num_parts"):
+        GaussianSumQuery(2.0, 0.5).release_plan(GaussianSumQuery(2.0, 0.5).initial_global_state(), 0)
+    nested = NestedQuery({"a": GaussianSumQuery(1.0, 1.0), "b": [CountQuery(2.0)]})
+    assert [type(q) for q in nested.leaf_queries] == [GaussianSumQuery, CountQuery]
 
 
 def test_joint_clipping_beats_one_group_on_the_example():

@@ -27,6 +27,7 @@ from .gaussian import (
     GaussianSumQuery,
     JointClipQuery,
     NoPrivacyQuery,
+    ReleasePlan,
 )
 from .microbatch import MicrobatchQuery, scale_sensitivity
 from .nested import NestedQuery
@@ -47,6 +48,7 @@ __all__ = [
     "JointClipQuery",
     "CountQuery",
     "NoPrivacyQuery",
+    "ReleasePlan",
     "NestedQuery",
     "QuantileAdaptiveClipQuery",
     "MicrobatchQuery",

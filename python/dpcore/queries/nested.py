@@ -95,6 +95,11 @@ class NestedQuery(DPQuery):
         return f"NestedQuery({self._structure!r})"
 
     @property
+    def leaf_queries(self) -> Tuple[DPQuery, ...]:
+        """The groups' queries, in the order of :attr:`leaf_paths` and of the composed event."""
+        return tuple(self._queries)
+
+    @property
     def leaf_paths(self) -> List[str]:
         """The groups' paths ("a/0/b"), in the order of the composed event."""
         return [_path_str(p) for p, _ in self._leaves]

@@ -26,6 +26,7 @@ from ..queries import (
     GaussianAverageQuery,
     JointClipQuery,
     NestedQuery,
+    ReleasePlan,
     per_layer_clip_norms,
     proportional_noise,
 )
@@ -48,26 +49,17 @@ def _positive(name: str, v: Any, allow_zero: bool = False) -> float:
 
 
 class _Group:
-    """One Gaussian sum query over some parameters: clip S_g, the query, its global state."""
+    """One Gaussian query over some parameters, its global state, and its plan for a release."""
 
-    def __init__(self, query: Any, members: List[int], scales: List[float]) -> None:
+    def __init__(self, query: Any, members: List[int]) -> None:
         self.query = query
         self.gs = query.initial_global_state()
         self.members = members
-        self.scales = scales
 
-    @property
-    def clip(self) -> float:
-        return float(self.query.derive_sample_params(self.gs))
-
-    def event(self) -> SumQueryEvent:
-        # Exactly the event GaussianSumQuery.get_noised_result reports for records clipped to
-        # the query's bound: (S_g, σ̃_g) (tests/test_torch.py checks the two agree).
-        return SumQueryEvent(self.clip, self.gs.stddev)
-
-    @property
-    def denominator(self) -> float:
-        return float(self.query._denominator())
+    def plan(self) -> ReleasePlan:
+        # The clip, noise stddevs, denominator and event of the query's next release: this
+        # adapter forms the clipped sums itself, on the parameters' device.
+        return self.query.release_plan(self.gs, len(self.members))
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -147,18 +139,16 @@ class DPOptimizer(torch.optim.Optimizer):
             sds = proportional_noise(z, clips)
             nested = NestedQuery({n: GaussianAverageQuery(c, sd, den) for n, c, sd in zip(self.param_names, clips, sds)})
             self.query: Any = nested
-            self._groups = [_Group(q, [k], [1.0]) for k, q in enumerate(nested._queries)]
+            self._groups = [_Group(q, [k]) for k, q in enumerate(nested.leaf_queries)]
         else:
             c = _positive("max_grad_norm", max_grad_norm)
             if clipping == "flat":
                 self.query = GaussianAverageQuery(c, z * c, den)
-                scales = [1.0] * m
             else:
                 if joint_scales is None or len(joint_scales) != m:
                     raise ValueError(f"clipping='joint' needs joint_scales with one scale per parameter tensor ({m})")
                 self.query = JointClipQuery(list(joint_scales), c, z * c, denominator=den)
-                scales = list(self.query._scales)
-            self._groups = [_Group(self.query, list(range(m)), scales)]
+            self._groups = [_Group(self.query, list(range(m)))]
         self._margins = [
             clip_margin(sum(self._params[k].numel() for k in g.members), self._params[g.members[0]].dtype)
             for g in self._groups
@@ -234,12 +224,13 @@ class DPOptimizer(torch.optim.Optimizer):
             return 0, factors
         dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
         for g, margin in zip(self._groups, self._margins):
+            plan = g.plan()
             tot = torch.zeros(b, dtype=torch.float64, device=dev)
-            for k, a in zip(g.members, g.scales):
+            for k, a in zip(g.members, plan.part_scales):
                 if sq[k] is not None:
                     tot = tot + (sq[k] if a == 1.0 else sq[k] / (a * a))
             # 1/denominator folded into the factors (and the noise): the release is one add
-            c = clip_factors(tot, g.clip, margin) / g.denominator
+            c = clip_factors(tot, plan.l2_norm_clip, margin) / plan.denominator
             for k in g.members:
                 factors[k] = c
         return b, factors
@@ -256,7 +247,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._acc[k] = s if self._acc[k] is None else self._acc[k].add_(s)
 
     def _event(self) -> Any:
-        events = [g.event() for g in self._groups]
+        events = [g.plan().event for g in self._groups]
         return events[0] if self.clipping != "per_layer" else ComposedQueryEvent(tuple(events))
 
     def _start_ledger_write(self) -> Future:
@@ -308,15 +299,16 @@ class DPOptimizer(torch.optim.Optimizer):
         std = self._standard_noise(step)
         grads: Dict[int, torch.Tensor] = {}
         for gi, g in enumerate(self._groups):
-            sd = g.gs.stddev / g.denominator
-            for j, (k, a) in enumerate(zip(g.members, g.scales)):
+            plan = g.plan()
+            for j, (k, part_sd) in enumerate(zip(g.members, plan.part_stddevs)):
                 p = self._params[k]
                 # N(0, (α_j·σ̃/den)²): the noise of the sum, divided by the denominator like the
                 # clipped sum. Shared with torch without a copy on CPU; copied to the device
                 # otherwise.
                 z = std[gi][j].to(device=p.device, dtype=p.dtype, non_blocking=True)
                 acc = self._acc[k]
-                grads[k] = z.mul_(sd * a) if acc is None else acc.add_(z, alpha=sd * a)
+                sd = part_sd / plan.denominator
+                grads[k] = z.mul_(sd) if acc is None else acc.add_(z, alpha=sd)
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
         write.result()
         self._releases += 1
