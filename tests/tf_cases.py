@@ -67,3 +67,178 @@ def test_dp_step_clips_and_ledgers():
     tr.step(xb[:0], yb[:0])
     assert led.num_releases == 2
     assert not np.array_equal(m.trainable_variables[0].numpy(), w1)
+
+
+# ----------------------------------------------------------------------------- model.fit path
+
+from dpcore.queries.base import derive_seed  # noqa: E402
+from dpcore.tensorflow import DPModel, PoissonBatches, make_private  # noqa: E402
+
+SCE = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def new_ledger():
+    return dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(), "l.jsonl"))
+
+
+def data(n=40, d=5, k=3, scale=5.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, d)) * scale).astype(np.float32), rng.integers(0, k, n)
+
+
+def dp_logreg(ledger, lr=1.0, **kw):
+    tf.random.set_seed(0)
+    m = logreg()
+    dp = make_private(m, tf.keras.optimizers.SGD(lr), ledger=ledger, **kw)
+    dp.compile(loss=SCE, metrics=["accuracy"])
+    return m, dp
+
+
+def clipped_average(x, y, w, b, clip, den, per_layer=False):
+    """Reference in numpy only: per-record grads clipped to C (jointly, or per variable to
+    C/sqrt(2)), summed, divided by the fixed denominator."""
+    gw, gb = numpy_grads(w.astype(np.float64), b.astype(np.float64), x.astype(np.float64), y)
+    if per_layer:
+        c = clip / np.sqrt(2.0)
+        fw = np.minimum(1.0, c / np.linalg.norm(gw.reshape(len(y), -1), axis=1))
+        fb = np.minimum(1.0, c / np.linalg.norm(gb, axis=1))
+        norms = np.concatenate([np.linalg.norm(gw.reshape(len(y), -1), axis=1), np.linalg.norm(gb, axis=1)])
+        return (fw[:, None, None] * gw).sum(0) / den, (fb[:, None] * gb).sum(0) / den, norms / c
+    norms = np.sqrt((gw.reshape(len(y), -1) ** 2).sum(1) + (gb**2).sum(1))
+    f = np.minimum(1.0, clip / norms)
+    return (f[:, None, None] * gw).sum(0) / den, (f[:, None] * gb).sum(0) / den, norms / clip
+
+
+def test_fit_trains_and_records_one_release_per_step():
+    x, y = data(60)
+    led = new_ledger()
+    m, dp = dp_logreg(led, lr=0.5, noise_multiplier=1.1, l2_norm_clip=1.0, population_size=60, sampling_probability=0.2)
+    w0 = [v.numpy().copy() for v in m.trainable_variables]
+    hist = dp.fit(PoissonBatches(x, y, sampling_probability=0.2, steps=4), epochs=3, verbose=0)
+    assert led.num_releases == 12 == dp.releases and len(led.samples) == 12
+    assert dp.optimizer.iterations.numpy() == 12
+    for s in led.samples:
+        assert (s.policy, s.population_size, s.sampling_probability, s.seeded) == ("poisson", 60, 0.2, False)
+        assert [(e.l2_norm_clip, e.stddev) for e in s.queries] == [(1.0, pytest.approx(1.1))]
+    # the wrapped model itself was trained, and fit logged the usual metrics
+    assert all(not np.allclose(a, v.numpy()) for a, v in zip(w0, m.trainable_variables))
+    assert set(hist.history) == {"loss", "accuracy"} and len(hist.history["loss"]) == 3
+    # the ledger on disk says the same
+    assert dpcore.PrivacyLedger.load(led.path).num_releases == 12
+
+
+def test_epsilon_matches_accounting_of_the_same_events():
+    x, y = data(100)
+    led = new_ledger()
+    _, dp = dp_logreg(led, noise_multiplier=1.3, l2_norm_clip=0.7, expected_batch_size=10.0)
+    dp.fit(PoissonBatches(x, y, sampling_probability=0.1, steps=7), epochs=2, verbose=0)
+    eps = dp.get_epsilon(1e-5)
+    ref = dpcore.accounting.epsilon(0.1, 1.3, 14, 1e-5)
+    assert 0 < eps < np.inf and eps == pytest.approx(ref, rel=1e-9)
+    # one step more must cost more: the count of releases is what is accounted
+    assert dpcore.accounting.epsilon(0.1, 1.3, 13, 1e-5) < eps
+
+
+@pytest.mark.parametrize("clipping,micro", [("flat", None), ("flat", 3), ("per_layer", None)])
+def test_update_equals_numpy_reference_at_zero_noise(clipping, micro):
+    x, y = data(40)
+    led = new_ledger()
+    m, dp = dp_logreg(led, noise_multiplier=0.0, l2_norm_clip=0.2, population_size=40, sampling_probability=0.5,
+                      clipping=clipping, max_physical_batch_size=micro)
+    w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
+    src = PoissonBatches(x, y, sampling_probability=0.5, steps=1, seed=11)
+    idx = src.indices(0)
+    assert len(idx) > 6  # several micro-batches when micro=3
+    # spy on the per-record gradient pass: micro-batches must really be cut
+    per_record, sizes = dp._per_record_fn(), []
+    object.__setattr__(dp, "_grad_fn", lambda rec: (sizes.append(int(tf.shape(rec["x"])[0])), per_record(rec))[1])
+    dp.fit(src, epochs=1, verbose=0, shuffle=False)
+    assert sum(sizes) == len(idx) and max(sizes) == (micro or len(idx))
+    assert led.samples[0].seeded and led.samples[0].policy == "poisson"
+    rw, rb, ratio = clipped_average(x[idx], y[idx], w0, b0, 0.2, 20.0, per_layer=clipping == "per_layer")
+    assert ratio.max() > 1.5  # clipping is active: an unclipped reference would differ
+    w1, b1 = [v.numpy() for v in m.trainable_variables]
+    np.testing.assert_allclose(w0 - w1, rw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(b0 - b1, rb, rtol=1e-4, atol=1e-6)
+    assert led.num_releases == 1
+    want = [(0.2, 0.0)] if clipping == "flat" else [(pytest.approx(0.2 / np.sqrt(2)), 0.0)] * 2
+    assert [(e.l2_norm_clip, e.stddev) for e in led.samples[0].queries] == want
+
+
+def test_empty_poisson_batch_releases_pure_noise():
+    x, y = data(20)
+    q = 0.02
+    seed = next(s for s in range(1000) if len(dpcore.poisson_sample(20, q, seed=derive_seed(s, 0))) == 0)
+    src = PoissonBatches(x, y, sampling_probability=q, steps=1, seed=seed)
+    assert len(src.indices(0)) == 0
+    led = new_ledger()
+    m, dp = dp_logreg(led, lr=1.0, noise_multiplier=2.0, l2_norm_clip=0.5, expected_batch_size=20 * q, seed=5)
+    w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
+    dp.fit(src, epochs=1, verbose=0)
+    assert led.num_releases == 1 and led.samples[0].policy == "poisson"
+    # exactly the core's noise for release 0: N(0, (z·C)²) / (q·n), nothing from the data
+    query = dpcore.GaussianAverageQuery(0.5, 1.0, 20 * q)
+    tmpl = [np.zeros_like(w0), np.zeros_like(b0)]
+    noise, _, _ = query.get_noised_result(query.initial_sample_state(tmpl), query.initial_global_state(),
+                                          seed=derive_seed(5, 0))
+    w1, b1 = [v.numpy() for v in m.trainable_variables]
+    assert np.abs(w0 - w1).max() > 0.1
+    np.testing.assert_allclose(w0 - w1, noise[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b0 - b1, noise[1], rtol=1e-5, atol=1e-6)
+
+
+def test_nan_record_raises_value_error_and_leaves_ledger_untouched():
+    x, y = data(30)
+    led = new_ledger()
+    m, dp = dp_logreg(led, noise_multiplier=1.0, l2_norm_clip=1.0, population_size=30, sampling_probability=1.0)
+    dp.fit(PoissonBatches(x, y, sampling_probability=1.0, steps=1), verbose=0)  # one good release
+    with open(led.path, "rb") as f:
+        before = f.read()
+    w = [v.numpy().copy() for v in m.trainable_variables]
+    xn = x.copy()
+    xn[7, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        dp.fit(PoissonBatches(xn, y, sampling_probability=1.0, steps=1), verbose=0)
+    with open(led.path, "rb") as f:
+        assert f.read() == before
+    assert led.num_releases == 1 == dp.releases and dp.optimizer.iterations.numpy() == 1
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(w, m.trainable_variables))
+    # the next good step is recorded normally, as a new sample
+    dp.fit(PoissonBatches(x, y, sampling_probability=1.0, steps=1), verbose=0)
+    assert led.num_releases == 2 and [s.sample for s in led.samples] == [0, 1]
+
+
+def test_fit_on_arrays_records_shuffle_samples():
+    x, y = data(50)
+    led = new_ledger()
+    _, dp = dp_logreg(led, noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=10.0)
+    with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffle"):
+        dp.fit(x, y, epochs=2, verbose=0)  # batch_size defaults to round(q·n) = 10
+    assert led.num_releases == 10
+    assert {(s.policy, s.population_size, s.sampling_probability) for s in led.samples} == {("shuffle", 50, 0.2)}
+    with pytest.warns(dpcore.ledger.LedgerWarning):
+        shuffled = dp.get_epsilon(1e-5)
+    assert shuffled > dpcore.accounting.epsilon(0.2, 1.0, 10, 1e-5)  # no amplification
+    # an opaque source (tf.data) is accepted only when the population is known, as shuffle
+    led2 = new_ledger()
+    _, dp2 = dp_logreg(led2, noise_multiplier=1.0, l2_norm_clip=1.0, population_size=50, sampling_probability=0.1)
+    with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffle"):
+        dp2.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(5), verbose=0, shuffle=False)
+    assert led2.num_releases == 10 and {s.policy for s in led2.samples} == {"shuffle"}
+
+
+def test_misuse_is_refused():
+    x, y = data(20)
+    _, dp = dp_logreg(new_ledger(), noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=5.0)
+    with pytest.raises(ValueError, match="q·n"):
+        dp.fit(PoissonBatches(x, y, sampling_probability=0.5), verbose=0)
+    with pytest.raises(TypeError, match="PoissonBatches"):
+        dp.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(5), verbose=0)
+    with pytest.raises(RuntimeError, match="inside fit"):
+        dp.train_on_batch(x[:4], y[:4])
+    with pytest.raises(ValueError, match="run_eagerly"):
+        dp.compile(loss=SCE, run_eagerly=False)
+    assert dp.ledger.num_releases == 0
+    bn = tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(3)])
+    with pytest.raises(TypeError, match="batch statistics"):
+        DPModel(bn, noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=5.0)

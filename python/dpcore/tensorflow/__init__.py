@@ -1,10 +1,22 @@
 """dpcore.tensorflow: DP-SGD for Keras models through dpcore's queries and ledger.
 
-Per-record gradients come from ``tf.vectorized_map`` over the batch (one gradient per record,
-materialised); the query (a :class:`dpcore.GaussianAverageQuery` by default: flat clipping,
-McMahan et al. 2018 §2) clips them in the Rust core, adds ChaCha20 Gaussian noise, and the
-release is written durably to the ledger before the optimizer applies it (Abadi et al. 2016,
-Algorithm 1; McMahan et al. 2018 §6). Requires the ``tensorflow`` extra.
+Keras's own ``fit`` (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
+
+    dp = dpcore.tensorflow.make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.1,
+                                        l2_norm_clip=1.0, population_size=n, sampling_probability=q,
+                                        ledger=dpcore.PrivacyLedger("run.jsonl"))
+    dp.compile(loss=..., metrics=[...])      # run_eagerly: the core is called from Python
+    dp.fit(PoissonBatches(x, y, sampling_probability=q), epochs=5)
+    eps = dp.get_epsilon(1e-5)
+
+:class:`DPModel` overrides ``train_step``: per-record gradients come from ``tf.vectorized_map``
+over the batch (one gradient per record, materialised, optionally in micro-batches); the query (a
+:class:`dpcore.GaussianAverageQuery` for flat clipping, a :class:`dpcore.NestedQuery` per
+variable for per-layer clipping; McMahan et al. 2018 §2) clips them in the Rust core, adds
+ChaCha20 Gaussian noise, and the release is written durably to the ledger before the optimizer
+applies it (McMahan et al. 2018, §6). :class:`PoissonBatches` draws the batches with
+:func:`dpcore.poisson_sample`. :class:`DPTrainer` is the same step for a hand-written loop.
+Requires the ``tensorflow`` extra (Keras 3).
 """
 
 from __future__ import annotations
@@ -18,8 +30,10 @@ from ..ledger import PrivacyLedger
 from ..queries import GaussianAverageQuery
 from ..queries.base import DPQuery
 from ..sampling import poisson_sample
+from ._data import PoissonBatches
+from ._keras import DPModel, make_private
 
-__all__ = ["per_record_gradients", "DPTrainer"]
+__all__ = ["make_private", "DPModel", "PoissonBatches", "per_record_gradients", "DPTrainer"]
 
 
 def per_record_gradients(model: tf.keras.Model, loss_fn: Callable[[Any, Any], Any], x: Any, y: Any) -> List[tf.Tensor]:

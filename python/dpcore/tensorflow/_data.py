@@ -1,0 +1,135 @@
+"""Poisson-sampled batches for ``model.fit`` from dpcore's ChaCha20 sampler (Abadi et al. 2016,
+"lots"; McMahan et al. 2018, §5).
+
+:class:`PoissonBatches` is a ``keras.utils.PyDataset``: batch ``i`` of an epoch is a fresh
+Poisson sample (each of the n records joins independently with probability q, drawn by
+:func:`dpcore.poisson_sample`), so batches vary in size and may be empty; an empty batch is
+still yielded, because skipping it would reveal that no record was sampled.
+
+The source does not write to the ledger itself. Keras reads batches ahead of training (it peeks
+at the first batches to infer shapes, and prefetches), so a sample drawn here may be released
+later or never; the DP train step of :class:`dpcore.tensorflow.DPModel` records the sampling event
+(n, q, ``poisson``) right before the release it belongs to. A sample that is drawn but never
+released costs no privacy.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from ..queries.base import derive_seed
+from ..sampling import poisson_sample
+
+__all__ = ["PoissonBatches"]
+
+
+def _leading(name: str, tree: Any) -> int:
+    leaves = tf.nest.flatten(tree)
+    if not leaves:
+        raise ValueError(f"{name} holds no array")
+    sizes = set()
+    for a in leaves:
+        if np.ndim(a) < 1:
+            raise ValueError(f"{name}: every array needs a leading record axis, got shape {np.shape(a)}")
+        sizes.add(int(np.shape(a)[0]))
+    if len(sizes) != 1:
+        raise ValueError(f"{name}: arrays disagree on the number of records: {sorted(sizes)}")
+    return sizes.pop()
+
+
+class PoissonBatches(tf.keras.utils.PyDataset):
+    """``steps`` Poisson samples per epoch of ``(x, y[, sample_weight])`` at rate q.
+
+    * ``x``, ``y``, ``sample_weight``: arrays (or dicts/lists of arrays) with n records each.
+    * ``sampling_probability`` q, or ``expected_batch_size`` q·n.
+    * ``steps``: batches per epoch (default round(1/q): one expected pass over the data).
+    * ``seed``: tests only — a seeded sample is predictable, gives no amplification in truth,
+      and is marked ``seeded`` in the ledger. Batch i then always gets the sample of
+      ``derive_seed(seed, i)``, in every epoch: Keras reads batches ahead and calls the epoch
+      hooks around its prefetching, so nothing else would make a seeded run reproducible.
+    * ``workers``, ``use_multiprocessing``, ``max_queue_size``: as for any ``PyDataset``.
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        sampling_probability: Optional[float] = None,
+        expected_batch_size: Optional[float] = None,
+        steps: Optional[int] = None,
+        seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._x = tf.nest.map_structure(np.asarray, x)
+        self._y = None if y is None else tf.nest.map_structure(np.asarray, y)
+        self._sw = None if sample_weight is None else tf.nest.map_structure(np.asarray, sample_weight)
+        n = _leading("x", self._x)
+        for name, part in (("y", self._y), ("sample_weight", self._sw)):
+            if part is not None and _leading(name, part) != n:
+                raise ValueError(f"{name} has {_leading(name, part)} records but x has {n}")
+        if n < 1:
+            raise ValueError("x holds no record")
+        if (sampling_probability is None) == (expected_batch_size is None):
+            raise ValueError("give exactly one of sampling_probability and expected_batch_size")
+        if sampling_probability is None:
+            q = _real("expected_batch_size", expected_batch_size) / n
+        else:
+            q = _real("sampling_probability", sampling_probability)
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"the sampling probability must be in (0, 1], got {q}")
+        if steps is None:
+            steps = max(1, round(1.0 / q))
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        self._n, self._q, self._steps, self._seed = n, q, int(steps), seed
+        derive_seed(seed, 0)  # validates the seed now rather than on the first batch
+
+    @property
+    def population_size(self) -> int:
+        return self._n
+
+    @property
+    def sampling_probability(self) -> float:
+        return self._q
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·n: the denominator of the fixed-denominator average (McMahan et al. 2018, §3)."""
+        return self._q * self._n
+
+    @property
+    def seeded(self) -> bool:
+        return self._seed is not None
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def indices(self, index: int) -> np.ndarray:
+        """The record indices of batch ``index``: a fresh Poisson sample on every call (seeded:
+        the one sample that batch ``index`` always gets)."""
+        if not 0 <= index < self._steps:
+            raise IndexError(f"batch {index} out of range for {self._steps} steps")
+        return poisson_sample(self._n, self._q, seed=derive_seed(self._seed, index))
+
+    def __getitem__(self, index: int) -> Any:
+        idx = self.indices(index)
+        take = lambda a: a[idx]  # noqa: E731
+        out = [tf.nest.map_structure(take, self._x)]
+        if self._y is not None or self._sw is not None:
+            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+        if self._sw is not None:
+            out.append(tf.nest.map_structure(take, self._sw))
+        return tuple(out)
+
+
+def _real(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    return float(v)

@@ -1,0 +1,428 @@
+"""DP-SGD inside Keras's own ``model.fit``: :class:`DPModel` and :func:`make_private`.
+
+:meth:`DPModel.train_step` is Abadi et al. 2016, Algorithm 1, in the query/ledger architecture of
+McMahan et al. 2018: per-record gradients of the per-record loss (``tf.vectorized_map`` over the
+batch, compiled once with a free batch axis), clipped and summed by the Rust core through a
+:mod:`dpcore.queries` query, Gaussian noise from the core's ChaCha20 generator, the release
+written durably to the :class:`~dpcore.PrivacyLedger`, and only then the optimizer's update.
+
+The core is called from Python, so the train step runs eagerly (``compile`` sets
+``run_eagerly=True``); the per-record gradients themselves still run as one TF graph per
+(micro-)batch. An exception from the core (a non-finite per-record gradient) therefore leaves
+``fit`` as the original ``ValueError``, before anything reaches the ledger or the weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ..ledger import LedgerWarning, PrivacyLedger
+from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
+from ..queries.base import derive_seed
+from ._data import PoissonBatches
+
+__all__ = ["DPModel", "make_private", "CLIPPING"]
+
+keras = tf.keras
+CLIPPING = ("flat", "per_layer")
+
+if not str(getattr(keras, "__version__", "0")).startswith("3."):  # pragma: no cover - legacy Keras 2
+    raise ImportError(
+        f"dpcore.tensorflow's DPModel needs Keras 3 (tf.keras is {getattr(keras, '__version__', '?')}); "
+        "unset TF_USE_LEGACY_KERAS"
+    )
+
+
+def _number(name: str, v: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """How the batches of the running ``fit`` were drawn: what each release's sample entry says."""
+
+    population_size: int
+    sampling_probability: float
+    policy: str
+    seeded: bool = False
+
+
+class _Spec:
+    """Shape and dtype of one record's part (a query template without allocating arrays)."""
+
+    def __init__(self, shape: Sequence[int], dtype: Any) -> None:
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+
+
+def _incompatible_layers(model: Any) -> List[str]:
+    # Batch statistics mix records inside a batch: one record's gradient then depends on the
+    # others, and per-record clipping no longer bounds its contribution.
+    flat = model._flatten_layers() if hasattr(model, "_flatten_layers") else []
+    return [l.name for l in flat if isinstance(l, keras.layers.BatchNormalization)]
+
+
+class DPModel(keras.Model):
+    """A Keras model whose ``fit`` trains with DP-SGD (Abadi et al. 2016, Algorithm 1).
+
+    ``DPModel(model, ...)`` wraps ``model``: it shares its variables (training the wrapper trains
+    ``model``), its ``call`` is ``model``'s, and ``evaluate``/``predict`` are unchanged. Only
+    :meth:`train_step` differs. Parameters:
+
+    * ``noise_multiplier`` z and ``l2_norm_clip`` C.
+    * ``expected_batch_size`` q·n, the fixed denominator of the noised average (McMahan et al.
+      2018, §3), or ``population_size`` n and ``sampling_probability`` q. A
+      :class:`PoissonBatches` given to ``fit`` must have the same q·n.
+    * ``clipping``: ``"flat"`` — each record's gradient over all variables jointly clipped to C,
+      noise stddev z·C on the sum (a :class:`~dpcore.GaussianAverageQuery`); ``"per_layer"`` —
+      each variable clipped to C_v = C/√m of m variables (or to the values of a list
+      ``l2_norm_clip``), noise z·√m·C_v per variable (a :class:`~dpcore.NestedQuery`; Eq. (1)
+      of McMahan et al. 2018 gives z for the whole release).
+    * ``ledger``: a :class:`~dpcore.PrivacyLedger` (a temporary file when None; see
+      ``.ledger.path``). Every release is written (fsync) before its update is applied.
+    * ``max_physical_batch_size``: virtual batches. Per-record gradients of a logical (Poisson)
+      batch are computed and clipped in micro-batches of at most this many records, summed,
+      and noised and recorded once: memory for B×P per-record gradients becomes
+      ``max_physical_batch_size``×P, the mechanism is unchanged.
+    * ``optimizer``: used by :meth:`compile` when it is given none.
+    * ``seed``: tests only (release k's noise comes from ``derive_seed(seed, k)``; no privacy).
+
+    Sampling, recorded per release from what ``fit`` is given: a :class:`PoissonBatches` →
+    policy ``poisson`` (n, q), amplified by sampling; in-memory arrays with ``batch_size`` (its
+    default: round(q·n)) → policy ``shuffle``, accounted without amplification (a shuffled
+    epoch is not a random sample, §5) and warned about; any other source (``tf.data``,
+    generators) → ``shuffle`` if ``population_size`` was given, else a ``TypeError``. Batches
+    must hold each record at most once. Calling :meth:`train_step` outside ``fit``
+    (``train_on_batch``) raises: its sampling is unknown.
+
+    The ``loss``/metrics that ``fit`` logs are computed on the raw batch, for monitoring; they
+    are not privatized and must not be published as DP outputs. Layers with batch statistics
+    (``BatchNormalization``) are rejected. Save the wrapped model (``.inner``), not the wrapper.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        noise_multiplier: float,
+        l2_norm_clip: Any,
+        expected_batch_size: Optional[float] = None,
+        population_size: Optional[int] = None,
+        sampling_probability: Optional[float] = None,
+        ledger: Optional[PrivacyLedger] = None,
+        clipping: str = "flat",
+        max_physical_batch_size: Optional[int] = None,
+        optimizer: Any = None,
+        seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
+        if clipping not in CLIPPING:
+            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        bad = _incompatible_layers(model)
+        if bad:
+            raise TypeError(f"layers with batch statistics mix records and break per-record clipping: {bad}")
+        z = _number("noise_multiplier", noise_multiplier, allow_zero=True)
+        if isinstance(l2_norm_clip, (list, tuple)):
+            if clipping != "per_layer":
+                raise ValueError("a list of l2_norm_clip values needs clipping='per_layer'")
+            clips: Any = [_number(f"l2_norm_clip[{k}]", c) for k, c in enumerate(l2_norm_clip)]
+        else:
+            clips = _number("l2_norm_clip", l2_norm_clip)
+        n = None
+        if population_size is not None:
+            if isinstance(population_size, bool) or not isinstance(population_size, numbers.Integral) or population_size < 1:
+                raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
+            n = int(population_size)
+        q = None
+        if sampling_probability is not None:
+            q = _number("sampling_probability", sampling_probability)
+            if q > 1:
+                raise ValueError(f"sampling_probability must be in (0, 1], got {q}")
+            if n is None:
+                raise ValueError("sampling_probability needs population_size")
+        if expected_batch_size is None:
+            if n is None or q is None:
+                raise ValueError("give expected_batch_size, or population_size and sampling_probability")
+            den = q * n
+        else:
+            den = _number("expected_batch_size", expected_batch_size)
+            if n is not None and q is not None and not math.isclose(den, q * n, rel_tol=1e-9):
+                raise ValueError(f"expected_batch_size {den} differs from sampling_probability·population_size = {q * n}")
+        mpb = max_physical_batch_size
+        if mpb is not None and (isinstance(mpb, bool) or not isinstance(mpb, numbers.Integral) or mpb < 1):
+            raise ValueError(f"max_physical_batch_size must be an int >= 1, got {mpb!r}")
+        if ledger is None:
+            ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-tf-"), "ledger.jsonl"))
+        if not isinstance(ledger, PrivacyLedger):
+            raise TypeError(f"ledger must be a dpcore.PrivacyLedger or None, got {type(ledger).__name__}")
+        derive_seed(seed, 0)  # validates the seed
+        super().__init__(**kwargs)
+        self.inner = model
+        # Plain attributes, kept out of Keras's tracking (they are not model state to save).
+        for k, v in dict(
+            noise_multiplier=z, l2_norm_clip=clips, expected_batch_size=den, population_size=n,
+            sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
+            _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
+            _global_state=None, _template=None, _grad_fn=None,
+        ).items():
+            object.__setattr__(self, k, v)
+
+    # -- Keras plumbing -------------------------------------------------------------------
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        return self.inner(inputs, training=training)
+
+    def compile(self, optimizer: Any = None, loss: Any = None, *, run_eagerly: Optional[bool] = None, **kwargs: Any) -> None:
+        """``keras.Model.compile`` with the DP train step's requirements: eager steps (the
+        core is called from Python), no XLA, no loss scaling (the per-record gradients must be
+        the true ones; a loss-scaling optimizer would rescale the noised sum)."""
+        if run_eagerly is False:
+            raise ValueError("DPModel's train step calls dpcore's core from Python and needs run_eagerly=True")
+        if kwargs.get("jit_compile") is True:
+            raise ValueError("DPModel's train step runs eagerly; jit_compile=True is not possible")
+        if kwargs.get("auto_scale_loss") is True:
+            raise ValueError("auto_scale_loss=True would rescale the noised gradient; DPModel needs it off")
+        kwargs.update(jit_compile=False, auto_scale_loss=False)
+        optimizer = self._dp_optimizer if optimizer is None else optimizer
+        if optimizer is None:
+            raise ValueError("no optimizer: give one to compile() or to make_private()")
+        super().compile(optimizer=optimizer, loss=loss, run_eagerly=True, **kwargs)
+        # Trainable flags may have changed: rebuild the per-record pass and the query's template
+        # (the Gaussian queries' global state is constant, so nothing is lost).
+        for k in ("_grad_fn", "_query", "_global_state", "_template"):
+            object.__setattr__(self, k, None)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """``keras.Model.fit`` that first fixes how the batches are sampled (see the class)."""
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        x = a["x"]
+        if isinstance(x, PoissonBatches):
+            if not math.isclose(x.expected_batch_size, self.expected_batch_size, rel_tol=1e-9):
+                raise ValueError(
+                    f"PoissonBatches has q·n = {x.expected_batch_size} but this DPModel divides by "
+                    f"expected_batch_size = {self.expected_batch_size} (the fixed denominator must be q·n)"
+                )
+            sampling = _Sampling(x.population_size, x.sampling_probability, "poisson", x.seeded)
+        elif isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(x) or hasattr(x, "__next__"):
+            if self.population_size is None:
+                raise TypeError(
+                    f"fit() got a {type(x).__name__}, whose sampling dpcore cannot see. Give a dpcore.tensorflow."
+                    "PoissonBatches (Poisson sampling, amplified), or in-memory arrays, or set population_size "
+                    "to have each batch recorded as a 'shuffle' sample (no amplification)"
+                )
+            n = self.population_size
+            sampling = _Sampling(n, min(1.0, self.expected_batch_size / n), "shuffle")
+            self._warn_shuffle(type(x).__name__)
+        else:
+            n = _num_records(x)
+            if a["validation_split"]:
+                n = int(math.floor(n * (1.0 - a["validation_split"])))  # as Keras splits
+            if n < 1:
+                raise ValueError("fit() got no training record")
+            if a["batch_size"] is None:
+                a["batch_size"] = max(1, round(self.expected_batch_size))
+            sampling = _Sampling(n, min(1.0, a["batch_size"] / n), "shuffle")
+            self._warn_shuffle("arrays with batch_size")
+        object.__setattr__(self, "_sampling", sampling)
+        try:
+            return super().fit(*bound.args[1:], **bound.kwargs)
+        finally:
+            object.__setattr__(self, "_sampling", None)
+
+    def _warn_shuffle(self, what: str) -> None:
+        warnings.warn(
+            f"DPModel.fit on {what}: the batches are not Poisson samples, so each release is recorded with "
+            "policy 'shuffle' and accounted without sampling amplification (McMahan et al. 2018, §5). "
+            "Use dpcore.tensorflow.PoissonBatches for amplified accounting.",
+            LedgerWarning,
+            stacklevel=3,
+        )
+
+    # -- accounting -----------------------------------------------------------------------
+
+    @property
+    def releases(self) -> int:
+        """Noised releases (applied updates) made by this model so far."""
+        return self._releases
+
+    def get_epsilon(self, delta: float, **kw: Any) -> float:
+        """ε of everything recorded in the ledger at ``delta`` (an upper bound)."""
+        return self.ledger.get_epsilon(delta, **kw)
+
+    # -- the DP step ----------------------------------------------------------------------
+
+    @property
+    def query(self) -> Any:
+        """The query that clips and noises (built on first use, once the variables exist)."""
+        self._setup()
+        return self._query
+
+    def _setup(self) -> None:
+        if self._query is not None:
+            return
+        variables = self.trainable_variables
+        if not variables:
+            raise ValueError("the model has no trainable variable (build it first, e.g. with keras.Input)")
+        m, z, den = len(variables), self.noise_multiplier, self.expected_batch_size
+        if self.clipping == "flat":
+            query: Any = GaussianAverageQuery(self.l2_norm_clip, z * self.l2_norm_clip, den)
+        else:
+            if isinstance(self.l2_norm_clip, list):
+                if len(self.l2_norm_clip) != m:
+                    raise ValueError(f"l2_norm_clip has {len(self.l2_norm_clip)} values but the model has {m} trainable variables")
+                clips = list(self.l2_norm_clip)
+            else:
+                clips = per_layer_clip_norms(self.l2_norm_clip, m)
+            sds = proportional_noise(z, clips)
+            query = NestedQuery([GaussianAverageQuery(c, sd, den) for c, sd in zip(clips, sds)])
+        template = [_Spec(v.shape, v.dtype) for v in variables]
+        object.__setattr__(self, "_query", query)
+        object.__setattr__(self, "_global_state", query.initial_global_state())
+        object.__setattr__(self, "_template", template)
+
+    def _per_record_fn(self) -> Any:
+        if self._grad_fn is None:
+            variables = self.trainable_variables
+
+            def one(rec: Any) -> Any:
+                one_rec = tf.nest.map_structure(lambda t: t[None], rec)
+                x, y, sw = one_rec.get("x"), one_rec.get("y"), one_rec.get("sw")
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    # The compiled loss (and the model's own losses) on a batch of one record:
+                    # the per-record loss whatever its reduction.
+                    loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True)
+                grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                return loss, tf.nest.map_structure(lambda t: t[0], y_pred), grads
+
+            # Compiled once for a free batch axis: Poisson batches vary in size.
+            fn = tf.function(lambda rec: tf.vectorized_map(one, rec), reduce_retracing=True)
+            object.__setattr__(self, "_grad_fn", fn)
+        return self._grad_fn
+
+    def train_step(self, data: Any) -> Any:
+        """One DP-SGD step (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018, §1–§3, §6).
+
+        1. per-record gradients g_i of the per-record loss, in micro-batches of at most
+           ``max_physical_batch_size`` records;
+        2. each g_i clipped by the core to C (flat) or per variable (per-layer), summed in
+           float64 (the query's ``accumulate_records``); a non-finite g_i raises ``ValueError``
+           here, before the ledger or the weights are touched;
+        3. the sample recorded (``record_sample``), ChaCha20 Gaussian noise of stddev σ̃ = z·C
+           added by the core and the sum divided by q·n (``get_noised_result``); an empty batch
+           releases pure noise;
+        4. the release written durably (``record_release``), then the optimizer's update.
+        """
+        sampling = self._sampling
+        if sampling is None:
+            raise RuntimeError(
+                "DPModel.train_step runs inside fit() only, where the batches' sampling is known: use "
+                "fit(PoissonBatches(...)) (or dpcore.tensorflow.DPTrainer for a hand-written loop)"
+            )
+        self._setup()
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        rec = {"x": x}
+        if y is not None:
+            rec["y"] = y
+        if sw is not None:
+            rec["sw"] = sw
+        b = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        q, gs, variables = self._query, self._global_state, self.trainable_variables
+        params = q.derive_sample_params(gs)
+        state = q.initial_sample_state(self._template)
+        chunk = self.max_physical_batch_size or max(b, 1)
+        losses, preds = [], []
+        for start in range(0, b, chunk):
+            part = tf.nest.map_structure(lambda t: t[start : start + chunk], rec)
+            loss, y_pred, grads = self._per_record_fn()(part)
+            # Flat: one group of all variables, clipped jointly; per-layer: one leaf per variable.
+            records = [np.asarray(g) for g in grads]
+            state = q.accumulate_records(params, state, records)  # core clip; raises on NaN/inf
+            losses.append(loss)
+            preds.append(y_pred)
+        self.ledger.record_sample(
+            sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded
+        )
+        result, new_gs, event = q.get_noised_result(state, gs, seed=derive_seed(self._seed, self._releases))
+        self.ledger.record_release(event)  # durable before the update (McMahan et al. 2018, §6)
+        object.__setattr__(self, "_global_state", new_gs)
+        object.__setattr__(self, "_releases", self._releases + 1)
+        self.optimizer.apply_gradients(
+            zip([tf.convert_to_tensor(r, dtype=v.dtype) for r, v in zip(result, variables)], variables)
+        )
+        if b == 0:
+            # Nothing to add to the loss; metrics see an empty update (which also builds them
+            # when the very first batch is empty).
+            return self.compute_metrics(x, y, self(x, training=False), sample_weight=sw)
+        loss = tf.concat(losses, 0)
+        y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *preds)
+        if self._loss_tracker is not None:
+            self._loss_tracker.update_state(tf.reduce_mean(loss), sample_weight=b)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+
+def _num_records(x: Any) -> int:
+    leaves = tf.nest.flatten(x)
+    if not leaves or any(np.ndim(a) < 1 for a in leaves):
+        raise TypeError(f"fit() got {type(x).__name__}, which is neither PoissonBatches nor arrays with a record axis")
+    return int(np.shape(leaves[0])[0])
+
+
+def make_private(
+    model: Any,
+    optimizer: Any,
+    *,
+    noise_multiplier: float,
+    l2_norm_clip: Any,
+    expected_batch_size: Optional[float] = None,
+    population_size: Optional[int] = None,
+    sampling_probability: Optional[float] = None,
+    ledger: Optional[PrivacyLedger] = None,
+    clipping: str = "flat",
+    max_physical_batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+) -> DPModel:
+    """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
+    (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
+
+        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.1, l2_norm_clip=1.0,
+                          population_size=len(x), sampling_probability=q, ledger=PrivacyLedger("run.jsonl"))
+        dp.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        dp.fit(PoissonBatches(x, y, sampling_probability=q), epochs=5)
+        eps = dp.get_epsilon(1e-5)
+
+    ``optimizer`` is what ``compile`` uses (any Keras optimizer: the noised average gradient
+    goes through its update rule). See :class:`DPModel` for the other parameters. ``model``
+    itself is trained in place (the wrapper shares its variables).
+    """
+    return DPModel(
+        model,
+        noise_multiplier=noise_multiplier,
+        l2_norm_clip=l2_norm_clip,
+        expected_batch_size=expected_batch_size,
+        population_size=population_size,
+        sampling_probability=sampling_probability,
+        ledger=ledger,
+        clipping=clipping,
+        max_physical_batch_size=max_physical_batch_size,
+        optimizer=optimizer,
+        seed=seed,
+    )
