@@ -223,6 +223,29 @@ def test_empty_poisson_batch_releases_pure_noise():
     assert torch.isfinite(g).all() and float(g.std()) > 0  # pure noise, std 2·1/(q·n)
 
 
+def test_released_noise_is_the_cores_draw_with_the_plans_stddev_each_step():
+    # The noise drawn ahead in the background must be, bit for bit, the core's draw for that step
+    # with the query's stddev α·σ̃/den (rounded once), and never the previous step's draw.
+    from dpcore.queries.base import derive_seed
+
+    model = nn.Linear(5, 3)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=1.5,
+                      max_grad_norm=2.0, expected_batch_size=4.0, seed=42)
+    x = torch.zeros(0, 5)
+    seen = []
+    for step in range(3):
+        opt.ledger.record_sample(100, 0.04)
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.original_optimizer.step = lambda: None
+        opt.step()
+        for j, p in enumerate(model.parameters()):
+            want = dpcore.gaussian_noise(tuple(p.shape), 1.5 * 2.0 / 4.0, seed=derive_seed(42, step, 0, j))
+            assert np.array_equal(p.grad.numpy(), want)
+        seen.append(model.weight.grad.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+
+
 def test_release_event_matches_query():
     # the ledger's privacy tuple is the one GaussianSumQuery.get_noised_result reports
     model = mlp()

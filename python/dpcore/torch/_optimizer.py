@@ -156,9 +156,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._acc: List[Optional[torch.Tensor]] = [None] * m
         self._records = 0
         # Standard normals for the next release, drawn on a background thread while the training
-        # loop runs its forward and backward passes (see _standard_noise).
+        # loop runs its forward and backward passes (see _noise).
         self._noise_worker: Optional[ThreadPoolExecutor] = None
-        self._next_noise: Optional[Tuple[int, Future]] = None
+        self._next_noise: Optional[Tuple[int, List[List[float]], Future]] = None
         self._ledger_worker: Optional[ThreadPoolExecutor] = None
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
@@ -261,54 +261,56 @@ class DPOptimizer(torch.optim.Optimizer):
             self._ledger_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-ledger")
         return self._ledger_worker.submit(self.ledger.record_release, self._event())
 
-    def _draw_standard_noise(self, step: int) -> List[List[torch.Tensor]]:
-        """ChaCha20 N(0, 1) draws for release ``step``, one array per group member, from the core
-        (keyed from the OS, or derived from the test seed)."""
+    def _noise_stddevs(self) -> List[List[float]]:
+        """Per group and member: the stddev of the noise of the released average, α_j·σ̃/den."""
         out = []
-        for gi, g in enumerate(self._groups):
+        for g in self._groups:
+            plan = g.plan()
+            out.append([sd / plan.denominator for sd in plan.part_stddevs])
+        return out
+
+    def _draw_noise(self, step: int, stddevs: List[List[float]]) -> List[List[torch.Tensor]]:
+        """ChaCha20 N(0, sd²) for release ``step``, one array per group member, from the core
+        (keyed from the OS, or derived from the test seed), computed in f64 and rounded once."""
+        out = []
+        for gi, (g, sds) in enumerate(zip(self._groups, stddevs)):
             row = []
-            for j, k in enumerate(g.members):
+            for j, (k, sd) in enumerate(zip(g.members, sds)):
                 p = self._params[k]
                 ndt = np.float64 if p.dtype == torch.float64 else np.float32
-                z = gaussian_noise(
-                    tuple(p.shape), 1.0, dtype=ndt, seed=derive_seed(self._seed, step, gi, j), parallel=True
-                )
+                z = gaussian_noise(tuple(p.shape), sd, dtype=ndt, seed=derive_seed(self._seed, step, gi, j))
                 row.append(torch.from_numpy(z))
             out.append(row)
         return out
 
-    def _standard_noise(self, step: int) -> List[List[torch.Tensor]]:
-        """The draws for release ``step``, and the next release's draws started in the background.
+    def _noise(self, step: int) -> List[List[torch.Tensor]]:
+        """The noise of release ``step``, and the next release's started in the background.
 
         Noise does not depend on the data, so drawing it ahead changes nothing in the mechanism;
         it lets the core's generator run while torch computes the next backward pass instead of
-        after it. Each draw is used once: it is dropped from here as it is handed out."""
+        after it. A draw is used only for the step and stddevs it was made for, and only once."""
+        sds = self._noise_stddevs()
         pending, self._next_noise = self._next_noise, None
-        if pending is not None and pending[0] == step:
-            z = pending[1].result()
+        if pending is not None and pending[0] == step and pending[1] == sds:
+            z = pending[2].result()
         else:
-            z = self._draw_standard_noise(step)
+            z = self._draw_noise(step, sds)
         if self._noise_worker is None:
             self._noise_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-noise")
-        self._next_noise = (step + 1, self._noise_worker.submit(self._draw_standard_noise, step + 1))
+        self._next_noise = (step + 1, sds, self._noise_worker.submit(self._draw_noise, step + 1, sds))
         return z
 
     @torch.no_grad()
     def _release(self, write: Future) -> None:
-        step = self._releases
-        std = self._standard_noise(step)
+        noise = self._noise(self._releases)
         grads: Dict[int, torch.Tensor] = {}
-        for gi, g in enumerate(self._groups):
-            plan = g.plan()
-            for j, (k, part_sd) in enumerate(zip(g.members, plan.part_stddevs)):
+        for g, row in zip(self._groups, noise):
+            for k, z in zip(g.members, row):
                 p = self._params[k]
-                # N(0, (α_j·σ̃/den)²): the noise of the sum, divided by the denominator like the
-                # clipped sum. Shared with torch without a copy on CPU; copied to the device
-                # otherwise.
-                z = std[gi][j].to(device=p.device, dtype=p.dtype, non_blocking=True)
+                # Shared with torch without a copy on CPU; copied to the device otherwise.
+                z = z.to(device=p.device, dtype=p.dtype, non_blocking=True)
                 acc = self._acc[k]
-                sd = part_sd / plan.denominator
-                grads[k] = z.mul_(sd) if acc is None else acc.add_(z, alpha=sd)
+                grads[k] = z if acc is None else acc.add_(z)
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
         write.result()
         self._releases += 1
