@@ -6,22 +6,31 @@
 //! (x_i1/α_1, …, x_iK/α_K); the factor multiplies the unscaled parts, so the sum returned is
 //! already "scaled back". With all α_j = 1 this is flat clipping, bit for bit.
 //!
-//! One pass over memory. Records are processed in tiles that fit in the last-level cache: the
-//! norms of a tile are computed first (phase 1), then the tile's scaled rows are added into the
-//! f64 sums while they are still cached (phase 2). Both phases are split into fixed column
-//! blocks, and every sum is taken in a fixed order, so the result does not depend on the number
-//! of threads.
+//! One pass over memory. Records are processed in tiles of a few rows: the norms of a tile are
+//! computed first (phase 1), then the tile's scaled rows are added into the f64 sums while they
+//! are still cached (phase 2). When the records are wide enough, each worker thread owns a fixed
+//! range of columns for the whole call (`clip_sum_owned`): it reads its slice of each tile from
+//! memory in phase 1 and finds it in its own L2 cache in phase 2, with the sums of its columns
+//! beside it. Otherwise (`clip_sum_tiled`) both phases are split into column blocks that any
+//! thread may take. Every sum is taken in a fixed order either way (the norm's per-block partial
+//! sums in block order, each coordinate's sum in record order), so the result is the same bits
+//! whatever the path or the number of threads.
 
 use crate::error::{DpError, DpResult};
 use crate::kernels;
 use crate::records::{Column, Elem, Records};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Values per column block. Fixes the order of the norm's partial sums.
 pub const BLOCK: usize = 4096;
 /// Bytes of records per tile: half of a 32 MiB L3, leaving room for the f64 sums (measured
 /// best among 4–24 MiB on the (256, 1e5) and (64, 1e6) benchmarks).
 const TILE_BYTES: usize = 16 << 20;
+/// Rows per tile in the owned-columns path: a multiple of four (the row grouping of the sum) that
+/// keeps a thread's slice of the tile about L2-sized on the widths this path serves.
+const OWNED_TILE_ROWS: usize = 4;
 /// Below this many values a call runs on the calling thread.
 const PAR_MIN_VALUES: usize = 1 << 16;
 /// Sums of squares below this may have lost bits to underflow; such records are re-measured
@@ -208,6 +217,23 @@ fn tile_norms(
         .collect()
 }
 
+/// acc += Σ_r f_r·x_r over the columns of `b`, for rows r0, r0 + 1, … (one per factor).
+fn add_rows<T: Elem>(
+    acc: &mut [f64],
+    x: &[T],
+    width: usize,
+    b: &Block,
+    r0: usize,
+    factors: &[f64],
+) {
+    let rows: Vec<(f64, &[T])> = factors
+        .iter()
+        .enumerate()
+        .map(|(i, &f)| (f, row(x, width, r0 + i, b)))
+        .collect();
+    kernels::axpy_rows(acc, &rows);
+}
+
 /// Phase 2 for rows [r0, r0 + factors.len()): sums += Σ_r f_r·x_r, block by block.
 fn tile_accumulate(
     records: &Records,
@@ -217,19 +243,11 @@ fn tile_accumulate(
     factors: &[f64],
     par: bool,
 ) {
-    fn add<T: Elem>(acc: &mut [f64], x: &[T], width: usize, b: &Block, r0: usize, factors: &[f64]) {
-        let rows: Vec<(f64, &[T])> = factors
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| (f, row(x, width, r0 + i, b)))
-            .collect();
-        kernels::axpy_rows(acc, &rows);
-    }
     let work = |(a, b): (&mut &mut [f64], &Block)| {
         let p = &records.parts[b.part];
         match p.data {
-            Column::F32(x) => add(a, x, p.width, b, r0, factors),
-            Column::F64(x) => add(a, x, p.width, b, r0, factors),
+            Column::F32(x) => add_rows(a, x, p.width, b, r0, factors),
+            Column::F64(x) => add_rows(a, x, p.width, b, r0, factors),
         }
     };
     if par {
@@ -267,8 +285,34 @@ pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
     check_clip(l2_norm_clip)?;
     let blocks = column_blocks(records);
     let margin = clip_margin(records);
+    let threads = rayon::current_num_threads();
+    if use_parallel(records) && threads > 1 && blocks.len() >= 2 * threads {
+        // Only one owned-columns call runs its barrier at a time; a caller that finds it busy
+        // takes the tiled path instead of waiting (waiting could deadlock a caller that is
+        // itself a pool thread the running call needs).
+        if let Ok(_only_one) = OWNED_PATH.try_lock() {
+            return clip_sum_owned(records, &blocks, l2_norm_clip, margin, threads);
+        }
+    }
+    clip_sum_tiled(records, &blocks, l2_norm_clip, margin)
+}
+
+fn zero_sums(records: &Records) -> DpResult<Vec<Vec<f64>>> {
+    records
+        .parts
+        .iter()
+        .map(|p| crate::error::try_filled(p.width, 0.0))
+        .collect()
+}
+
+fn clip_sum_tiled(
+    records: &Records,
+    blocks: &[Block],
+    l2_norm_clip: f64,
+    margin: f64,
+) -> DpResult<ClippedSum> {
     let (step, par) = (tile_rows(records), use_parallel(records));
-    let mut sums: Vec<Vec<f64>> = records.parts.iter().map(|p| vec![0.0; p.width]).collect();
+    let mut sums = zero_sums(records)?;
     let mut norms = Vec::with_capacity(records.batch);
     {
         let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
@@ -276,16 +320,195 @@ pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
         let mut r0 = 0;
         while r0 < records.batch {
             let r1 = (r0 + step).min(records.batch);
-            let tile = tile_norms(records, &blocks, r0, r1, par)?;
+            let tile = tile_norms(records, blocks, r0, r1, par)?;
             let factors: Vec<f64> = tile
                 .iter()
                 .map(|&n| clip_factor(n, l2_norm_clip, margin))
                 .collect();
-            tile_accumulate(records, &blocks, &mut acc, r0, &factors, par);
+            tile_accumulate(records, blocks, &mut acc, r0, &factors, par);
             norms.extend(tile);
             r0 = r1;
         }
     }
+    Ok(ClippedSum { sums, norms })
+}
+
+static OWNED_PATH: Mutex<()> = Mutex::new(());
+
+/// A barrier for the threads of one `rayon::broadcast`. They spin (the wait is a few µs), and a
+/// thread that panicked poisons it so that the others leave instead of waiting for ever.
+struct SpinBarrier {
+    arrived: AtomicUsize,
+    generation: AtomicUsize,
+    poisoned: AtomicBool,
+    threads: usize,
+}
+
+impl SpinBarrier {
+    fn new(threads: usize) -> Self {
+        SpinBarrier {
+            arrived: AtomicUsize::new(0),
+            generation: AtomicUsize::new(0),
+            poisoned: AtomicBool::new(false),
+            threads,
+        }
+    }
+
+    /// False when another thread panicked.
+    fn wait(&self) -> bool {
+        let g = self.generation.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.threads {
+            self.arrived.store(0, Ordering::Relaxed);
+            self.generation.store(g + 1, Ordering::Release);
+        } else {
+            let mut spins = 0u32;
+            while self.generation.load(Ordering::Acquire) == g {
+                if self.poisoned.load(Ordering::Relaxed) {
+                    return false;
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 1024 == 0 {
+                    // More threads than cores (or a descheduled one): let the others run.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        !self.poisoned.load(Ordering::Relaxed)
+    }
+}
+
+/// A run of one thread's columns within one part.
+struct Run<'s> {
+    part: usize,
+    start: usize,
+    acc: &'s mut [f64],
+}
+
+/// Splits the sums into each thread's runs: thread t owns blocks [t·nb/T, (t+1)·nb/T).
+fn owned_runs<'s>(
+    sums: &'s mut [Vec<f64>],
+    blocks: &[Block],
+    threads: usize,
+) -> Vec<Mutex<Vec<Run<'s>>>> {
+    let nb = blocks.len();
+    let owner = |k: usize| {
+        (0..threads)
+            .find(|&t| k < (t + 1) * nb / threads)
+            .unwrap_or(0)
+    };
+    let mut runs: Vec<Vec<Run<'s>>> = (0..threads).map(|_| Vec::new()).collect();
+    let mut k = 0;
+    for (part, sum) in sums.iter_mut().enumerate() {
+        let mut rest: &'s mut [f64] = sum.as_mut_slice();
+        let mut taken = 0;
+        while k < nb && blocks[k].part == part {
+            let t = owner(k);
+            let start = blocks[k].start;
+            let mut len = 0;
+            while k < nb && blocks[k].part == part && owner(k) == t {
+                len += blocks[k].len;
+                k += 1;
+            }
+            let (acc, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            rest = tail;
+            debug_assert_eq!(start, taken);
+            taken += len;
+            runs[t].push(Run { part, start, acc });
+        }
+    }
+    runs.into_iter().map(Mutex::new).collect()
+}
+
+/// The owned-columns path. Thread t of the pool keeps columns blocks [t·nb/T, (t+1)·nb/T) for the
+/// whole call. Per tile: it writes its blocks' partial sums of squares (phase 1), all threads meet
+/// at a barrier, each one adds up every row's norm from the shared partials in block order (the
+/// same bits on every thread), and it adds its slice of the scaled rows into its own sums (phase
+/// 2). Partials are double-buffered so that a fast thread may begin the next tile while a slow
+/// one still reads the last.
+fn clip_sum_owned(
+    records: &Records,
+    blocks: &[Block],
+    l2_norm_clip: f64,
+    margin: f64,
+    threads: usize,
+) -> DpResult<ClippedSum> {
+    let (batch, nb) = (records.batch, blocks.len());
+    let rows = OWNED_TILE_ROWS;
+    let mut sums = zero_sums(records)?;
+    let partials: Vec<AtomicU64> = (0..2 * rows * nb).map(|_| AtomicU64::new(0)).collect();
+    let weights = block_weights(records, blocks);
+    let barrier = SpinBarrier::new(threads);
+    let norms = {
+        let runs = owned_runs(&mut sums, blocks, threads);
+        let work = |t: usize| -> DpResult<Vec<f64>> {
+            let mut mine = runs[t].lock().unwrap_or_else(|e| e.into_inner());
+            let (k0, k1) = (t * nb / threads, (t + 1) * nb / threads);
+            let mut norms = Vec::with_capacity(if t == 0 { batch } else { 0 });
+            let mut factors = [0.0f64; OWNED_TILE_ROWS];
+            for (tile, r0) in (0..batch).step_by(rows).enumerate() {
+                let r1 = (r0 + rows).min(batch);
+                let buf = &partials[(tile % 2) * rows * nb..][..rows * nb];
+                for r in r0..r1 {
+                    for k in k0..k1 {
+                        let v = block_sumsq(records, r, &blocks[k]);
+                        buf[(r - r0) * nb + k].store(v.to_bits(), Ordering::Relaxed);
+                    }
+                }
+                if !barrier.wait() {
+                    return Err(DpError::Shape("a worker thread failed".into()));
+                }
+                for r in r0..r1 {
+                    let row = &buf[(r - r0) * nb..][..nb];
+                    let sums = row
+                        .iter()
+                        .map(|v| f64::from_bits(v.load(Ordering::Relaxed)));
+                    let n = norm_from_blocks(records, r, sums, &weights)?;
+                    factors[r - r0] = clip_factor(n, l2_norm_clip, margin);
+                    if t == 0 {
+                        norms.push(n);
+                    }
+                }
+                for run in mine.iter_mut() {
+                    let p = &records.parts[run.part];
+                    let b = Block {
+                        part: run.part,
+                        start: run.start,
+                        len: run.acc.len(),
+                    };
+                    match p.data {
+                        Column::F32(x) => {
+                            add_rows(run.acc, x, p.width, &b, r0, &factors[..r1 - r0])
+                        }
+                        Column::F64(x) => {
+                            add_rows(run.acc, x, p.width, &b, r0, &factors[..r1 - r0])
+                        }
+                    }
+                }
+            }
+            Ok(norms)
+        };
+        let results = rayon::broadcast(|ctx| {
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx.index())));
+            if out.is_err() {
+                barrier.poisoned.store(true, Ordering::Relaxed);
+            }
+            out
+        });
+        let mut first = None;
+        for r in results {
+            match r {
+                Err(panic) => std::panic::resume_unwind(panic),
+                Ok(v) => {
+                    if first.is_none() {
+                        first = Some(v);
+                    }
+                }
+            }
+        }
+        first.expect("a pool has at least one thread")?
+    };
     Ok(ClippedSum { sums, norms })
 }
 
@@ -441,6 +664,62 @@ mod tests {
         let b = four.install(|| clip_sum(&rec, 2.0).unwrap());
         assert_eq!(a.sums, b.sums);
         assert_eq!(a.norms, b.norms);
+    }
+
+    /// Both paths, every thread count, the same bits: several parts of both dtypes and scales,
+    /// batches that are not a multiple of the tile, and the same first bad record.
+    #[test]
+    fn owned_columns_path_matches_tiled_path_bit_for_bit() {
+        let widths = [9_000usize, 5, 20_000];
+        let batch = 23;
+        let f32s: Vec<Vec<f32>> = widths
+            .iter()
+            .enumerate()
+            .map(|(k, &w)| pseudo(batch * w, k as u64))
+            .collect();
+        let f64s: Vec<f64> = pseudo(batch * 7_000, 5)
+            .iter()
+            .map(|v| *v as f64 * 1e3)
+            .collect();
+        let mut parts: Vec<Part> = widths
+            .iter()
+            .zip(&f32s)
+            .map(|(&w, d)| Part::new(Column::F32(d), w))
+            .collect();
+        parts.push(Part::new(Column::F64(&f64s), 7_000).with_scale(30.0));
+        let rec = Records::new(batch, parts).unwrap();
+        let blocks = column_blocks(&rec);
+        let margin = clip_margin(&rec);
+        let tiled = clip_sum_tiled(&rec, &blocks, 40.0, margin).unwrap();
+        for threads in [1usize, 2, 3, 7] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let owned = pool
+                .install(|| clip_sum_owned(&rec, &blocks, 40.0, margin, threads))
+                .unwrap();
+            assert_eq!(owned.sums, tiled.sums, "{threads} threads");
+            assert_eq!(owned.norms, tiled.norms, "{threads} threads");
+        }
+        let mut bad = f32s[2].clone();
+        bad[17 * 20_000 + 5] = f32::NAN;
+        bad[21 * 20_000] = f32::INFINITY;
+        let parts = vec![
+            Part::new(Column::F32(&f32s[0]), 9_000),
+            Part::new(Column::F32(&bad), 20_000),
+        ];
+        let rec = Records::new(batch, parts).unwrap();
+        let blocks = column_blocks(&rec);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        assert_eq!(
+            pool.install(|| clip_sum_owned(&rec, &blocks, 1.0, 0.0, 3))
+                .unwrap_err(),
+            DpError::NonFiniteRecord { index: 17 }
+        );
     }
 
     #[test]

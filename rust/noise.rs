@@ -114,7 +114,12 @@ fn build<T: Send, F: Fn(usize, &mut [MaybeUninit<T>]) + Sync>(
 /// `n` independent N(0, stddev²) values of type T, computed in f64 and rounded once. With
 /// `parallel` false, all the work stays on the calling thread (for callers that generate noise
 /// in the background of other parallel work); the values are the same either way.
-pub fn gaussian<T: NoiseElem>(n: usize, stddev: f64, key: &Key, parallel: bool) -> DpResult<Vec<T>> {
+pub fn gaussian<T: NoiseElem>(
+    n: usize,
+    stddev: f64,
+    key: &Key,
+    parallel: bool,
+) -> DpResult<Vec<T>> {
     check_stddev(stddev)?;
     build(n, parallel, |c, o| {
         fill_chunk(key, stream_id(Domain::Noise, 0, c), stddev, o, |_, e| e)

@@ -171,13 +171,19 @@ fn gaussian_flat(
 ) -> PyResult<Py<PyAny>> {
     let key = Seed::from_option(seed).key().map_err(to_py)?;
     Ok(if double {
-        PyArray1::from_vec(py, detached(py, || gaussian::<f64>(n, stddev, &key, parallel))?)
-            .into_any()
-            .unbind()
+        PyArray1::from_vec(
+            py,
+            detached(py, || gaussian::<f64>(n, stddev, &key, parallel))?,
+        )
+        .into_any()
+        .unbind()
     } else {
-        PyArray1::from_vec(py, detached(py, || gaussian::<f32>(n, stddev, &key, parallel))?)
-            .into_any()
-            .unbind()
+        PyArray1::from_vec(
+            py,
+            detached(py, || gaussian::<f32>(n, stddev, &key, parallel))?,
+        )
+        .into_any()
+        .unbind()
     })
 }
 
