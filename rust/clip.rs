@@ -457,7 +457,8 @@ fn clip_sum_owned(
                     }
                 }
                 if !barrier.wait() {
-                    return Err(DpError::Shape("a worker thread failed".into()));
+                    // Another thread panicked; its panic is re-raised below, this value unread.
+                    return Ok(Vec::new());
                 }
                 for r in r0..r1 {
                     let row = &buf[(r - r0) * nb..][..nb];
@@ -496,18 +497,16 @@ fn clip_sum_owned(
             }
             out
         });
-        let mut first = None;
+        let mut outcomes = Vec::with_capacity(results.len());
         for r in results {
             match r {
                 Err(panic) => std::panic::resume_unwind(panic),
-                Ok(v) => {
-                    if first.is_none() {
-                        first = Some(v);
-                    }
-                }
+                Ok(v) => outcomes.push(v),
             }
         }
-        first.expect("a pool has at least one thread")?
+        // Every thread computed the same norms and the same error, if any; thread 0 (a broadcast
+        // always has one) kept the norms.
+        outcomes.swap_remove(0)?
     };
     Ok(ClippedSum { sums, norms })
 }
