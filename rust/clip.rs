@@ -279,6 +279,33 @@ pub fn record_norms(records: &Records) -> DpResult<Vec<f64>> {
     Ok(norms)
 }
 
+/// Σ_j x_ij² of every record of every part separately, in f64 and unscaled: the factors of a
+/// factored per-record norm (‖g_i a_iᵀ‖² = ‖g_i‖²‖a_i‖², Goodfellow 2015), which the torch
+/// adapter combines. Each sum is `kernels::sumsq` (squares exact for f32 inputs; summation error
+/// within the (width + 32)·2⁻⁵³ that `clip_margin` allows). A NaN or ∞ in a record makes its sum
+/// non-finite; the caller reports it. `parallel` false keeps the work on the calling thread
+/// (for callers between the parallel regions of another runtime, whose threads would compete).
+pub fn part_sumsq(records: &Records, parallel: bool) -> Vec<Vec<f64>> {
+    let par = parallel && use_parallel(records);
+    let b = records.batch;
+    records
+        .parts
+        .iter()
+        .map(|p| {
+            let w = p.width;
+            let one = |r: usize| match p.data {
+                Column::F32(x) => kernels::sumsq(&x[r * w..(r + 1) * w]),
+                Column::F64(x) => kernels::sumsq(&x[r * w..(r + 1) * w]),
+            };
+            if par {
+                (0..b).into_par_iter().map(one).collect()
+            } else {
+                (0..b).map(one).collect()
+            }
+        })
+        .collect()
+}
+
 /// Clips every record to L2 norm `l2_norm_clip` and sums them, in one pass over the records.
 /// On error (a non-finite record) nothing is returned.
 pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
@@ -514,6 +541,25 @@ fn clip_sum_owned(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn part_sumsq_is_each_parts_squared_row_norm() {
+        let a: Vec<f32> = (0..3 * 5).map(|i| i as f32 - 4.0).collect();
+        let b: Vec<f64> = (0..3 * 2).map(|i| 0.5 * i as f64).collect();
+        let rec = Records::new(3, vec![Part::new(Column::F32(&a), 5), Part::new(Column::F64(&b), 2)]).unwrap();
+        let s = part_sumsq(&rec, true);
+        assert_eq!(s, part_sumsq(&rec, false));
+        for r in 0..3 {
+            let ra: f64 = a[r * 5..r * 5 + 5].iter().map(|v| (*v as f64).powi(2)).sum();
+            let rb: f64 = b[r * 2..r * 2 + 2].iter().map(|v| v * v).sum();
+            assert_eq!(s[0][r], ra);
+            assert_eq!(s[1][r], rb);
+        }
+        let mut bad = a.clone();
+        bad[7] = f32::NAN;
+        let rec = Records::new(3, vec![Part::new(Column::F32(&bad), 5)]).unwrap();
+        assert!(part_sumsq(&rec, true)[0][1].is_nan());
+    }
     use crate::records::Part;
 
     fn f32_records(batch: usize, widths: &[usize], data: &[Vec<f32>]) -> Records<'static> {

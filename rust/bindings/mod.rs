@@ -158,6 +158,25 @@ fn record_norms(
     Ok(PyArray1::from_vec(py, norms).into_any().unbind())
 }
 
+/// Per array, the sum of squares of every record (float64 of shape (B,)), unscaled. Non-finite
+/// values give non-finite sums; the caller reports them. `parallel=False` keeps the work on the
+/// calling thread.
+#[pyfunction]
+#[pyo3(signature = (arrays, parallel=true))]
+fn part_sumsq(
+    py: Python<'_>,
+    arrays: Vec<Bound<'_, PyAny>>,
+    parallel: bool,
+) -> PyResult<Vec<Py<PyAny>>> {
+    let (batch, held) = hold(&arrays)?;
+    let rec = records(batch, &held, None)?;
+    let sums = detached(py, || Ok(clip::part_sumsq(&rec, parallel)))?;
+    Ok(sums
+        .into_iter()
+        .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
+        .collect())
+}
+
 /// `n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread.
 #[pyfunction]
 #[pyo3(signature = (n, stddev, double, seed=None, parallel=true))]
@@ -211,6 +230,7 @@ fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyRes
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gaussian_sum_flat, m)?)?;
     m.add_function(wrap_pyfunction!(record_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(part_sumsq, m)?)?;
     m.add_function(wrap_pyfunction!(gaussian_flat, m)?)?;
     m.add_function(wrap_pyfunction!(poisson_sample, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_size_sample, m)?)?;

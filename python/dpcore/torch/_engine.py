@@ -90,6 +90,17 @@ def _sq(x: torch.Tensor, dims: Any) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dims, dtype=torch.float64).square()
 
 
+def _row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
+    """Σ_j x_ij² of every row of each 2-D tensor, in float64. On CPU the Rust core reads the
+    tensors in place (torch's float64 norm of a float32 tensor converts it first, ~10x slower),
+    on this thread: rayon's workers would spin against torch's own threads."""
+    if all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in ts):
+        from .. import _core
+
+        return [torch.from_numpy(s) for s in _core.part_sumsq([t.detach().contiguous().numpy() for t in ts], parallel=False)]
+    return [_sq(t, 1) for t in ts]
+
+
 # ----------------------------------------------------------------------------- autograd taps
 
 
@@ -234,9 +245,11 @@ class _LinearLayer(_Layer):
         out: List[torch.Tensor] = []
         names = [n for n, _ in self.params]
         if t == 1:
-            sg = _sq(g[:, 0], 1)
             if "weight" in names:
-                out.append(_sq(x[:, 0], 1) * sg)  # ‖g_i a_iᵀ‖² = ‖a_i‖²‖g_i‖²
+                sx, sg = _row_sq(x[:, 0], g[:, 0])
+                out.append(sx * sg)  # ‖g_i a_iᵀ‖² = ‖a_i‖²‖g_i‖²
+            else:
+                (sg,) = _row_sq(g[:, 0])
             if "bias" in names:
                 out.append(sg)
             return out
