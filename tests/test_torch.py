@@ -357,6 +357,45 @@ def test_non_finite_record_named():
     assert led.num_releases == 0
 
 
+def test_failure_part_way_through_accumulation_drops_every_accumulator():
+    # Clipped sums accumulate in place; a micro-step that fails after some layers were added must
+    # not leave a half-added batch behind: the next release holds only what came after it.
+    class Loader:
+        logical_batch_complete = False
+
+    torch.manual_seed(8)
+    xa, xb, xc = torch.randn(3, 7), torch.randn(3, 7), torch.randn(3, 7)
+    y = torch.tensor([0, 1, 2])
+    grads = []
+    for fail in (True, False):
+        torch.manual_seed(9)
+        model, dl = mlp(), Loader()
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=0.7,
+                          max_grad_norm=0.5, expected_batch_size=3.0, data_loader=dl, seed=3)
+        opt.original_optimizer.step = lambda: None  # keep .grad for the comparison
+        if fail:
+            for x in (xa, xb):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                if x is xb:
+                    last = opt.engine.layers[-1]
+                    last.clipped_sums = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+                    with pytest.raises(RuntimeError, match="boom"):
+                        opt.step()
+                    del last.clipped_sums
+                    assert all(a is None for a in opt._acc)
+                else:
+                    opt.step()
+        opt.ledger.record_sample(30, 0.1)
+        dl.logical_batch_complete = True
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xc), y).backward()
+        opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_batchnorm_refused():
     with pytest.raises(ValueError, match="BatchNorm"):
         PerRecordGradients(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), [])

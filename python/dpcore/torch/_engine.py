@@ -101,6 +101,11 @@ def _row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
     return [_sq(t, 1) for t in ts]
 
 
+def _add_into(base: Optional[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
+    """``base += s`` in place (returns base), or ``s`` itself when there is no base."""
+    return s if base is None else base.add_(s.to(device=base.device, dtype=base.dtype))
+
+
 # ----------------------------------------------------------------------------- autograd taps
 
 
@@ -211,7 +216,9 @@ class _Layer:
     def squared_norms(self) -> List[torch.Tensor]:
         raise NotImplementedError
 
-    def clipped_sums(self, factors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def clipped_sums(self, factors: Sequence[torch.Tensor], into: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+        """Σ_i factors_i·g_i per parameter, added in place into ``into[k]`` where that is a
+        tensor (it is returned), or into a new tensor."""
         raise NotImplementedError
 
 
@@ -279,7 +286,7 @@ class _LinearLayer(_Layer):
             out.append((bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square())
         return out
 
-    def clipped_sums(self, factors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def clipped_sums(self, factors: Sequence[torch.Tensor], into: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         x, g = self._xg
         del self._xg
         b, t, din = x.shape
@@ -291,14 +298,19 @@ class _LinearLayer(_Layer):
         if "weight" in names:
             c = (factors[k] * self.scale).to(g.dtype)
             gw = g * c[:, None, None]
-            out.append(gw.reshape(b * t, dout).t().matmul(x.reshape(b * t, din).to(g.dtype)))
+            a, xm = gw.reshape(b * t, dout).t(), x.reshape(b * t, din).to(g.dtype)
+            base = into[k]
+            if base is not None and base.dtype == a.dtype and base.device == a.device:
+                out.append(base.addmm_(a, xm))  # one pass: the product accumulates onto base
+            else:
+                out.append(_add_into(base, a.matmul(xm)))
             k += 1
         if "bias" in names:
             if gw is not None and factors[k] is factors[0]:
                 gb = gw
             else:
                 gb = g * (factors[k] * self.scale).to(g.dtype)[:, None, None]
-            out.append(gb.sum((0, 1)))
+            out.append(_add_into(into[k], gb.sum((0, 1))))
         return out
 
 
@@ -335,15 +347,16 @@ class _EmbeddingLayer(_Layer):
         w = torch.zeros(b, dtype=torch.float64, device=g.device).index_add_(0, rec, nk.square())
         return [w]
 
-    def clipped_sums(self, factors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def clipped_sums(self, factors: Sequence[torch.Tensor], into: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         idx, g = self._ig
         del self._ig
         d = self.module.embedding_dim
         c = (factors[0] * self.scale).to(g.dtype)
         rows = (g * c[:, None, None]).reshape(-1, d)
-        w = torch.zeros_like(self.module.weight)
-        w.index_add_(0, idx.reshape(-1), rows.to(w.dtype))
-        return [w]
+        w = into[0]
+        if w is None or w.dtype != self.module.weight.dtype or w.device != self.module.weight.device:
+            return [_add_into(w, torch.zeros_like(self.module.weight).index_add_(0, idx.reshape(-1), rows.to(self.module.weight.dtype)))]
+        return [w.index_add_(0, idx.reshape(-1), rows.to(w.dtype))]
 
 
 class _GenericLayer(_Layer):
@@ -432,11 +445,12 @@ class _GenericLayer(_Layer):
             out.append(n.square())
         return out
 
-    def clipped_sums(self, factors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def clipped_sums(self, factors: Sequence[torch.Tensor], into: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         pes = self._pe
         del self._pe
         return [
-            torch.tensordot((c * self.scale).to(pe.dtype), pe, dims=([0], [0])) for c, pe in zip(factors, pes)
+            _add_into(base, torch.tensordot((c * self.scale).to(pe.dtype), pe, dims=([0], [0])))
+            for c, pe, base in zip(factors, pes, into)
         ]
 
 
@@ -564,16 +578,24 @@ class PerRecordGradients:
         return (batch or 0), out
 
     @torch.no_grad()
-    def clipped_sums(self, factors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """Σ_i c_i·g_i per parameter (the parameter's dtype and device); None where no record."""
+    def clipped_sums(
+        self, factors: List[Optional[torch.Tensor]], into: Optional[Sequence[Optional[torch.Tensor]]] = None
+    ) -> List[Optional[torch.Tensor]]:
+        """Σ_i c_i·g_i per parameter (the parameter's dtype and device); None where no record.
+
+        With ``into``, parameter k's sum is added in place into ``into[k]`` when that is a tensor
+        (and that tensor is returned): for a linear layer the product accumulates straight onto
+        it (one ``addmm_``), saving a pass over the accumulator. A failure part-way may leave
+        some of ``into`` updated and others not; callers discard them then."""
+        into = [None] * len(factors) if into is None else into
         out: List[Optional[torch.Tensor]] = []
         k = 0
         for layer in self.layers:
             n = len(layer.params)
             if not layer.captures:
-                out.extend([None] * n)
+                out.extend(into[k : k + n])
             else:
-                out.extend(layer.clipped_sums(factors[k : k + n]))  # type: ignore[arg-type]
+                out.extend(layer.clipped_sums(factors[k : k + n], into[k : k + n]))  # type: ignore[arg-type]
             k += n
         self.clear()
         return out

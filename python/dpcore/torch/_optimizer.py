@@ -237,14 +237,23 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _accumulate(self, b: int, factors: List[Optional[torch.Tensor]]) -> None:
-        """Adds this micro-batch's clipped records into the accumulators."""
+        """Adds this micro-batch's clipped records into the accumulators, in place. If that
+        fails part-way, every accumulator is dropped: a half-added batch (or half-added noise)
+        must never be released or added to again."""
         if b == 0:
             self.engine.clear()
             return
-        sums = self.engine.clipped_sums(factors)
-        for k, s in enumerate(sums):
-            if s is not None:
-                self._acc[k] = s if self._acc[k] is None else self._acc[k].add_(s)
+        try:
+            sums = self.engine.clipped_sums(factors, into=self._acc)
+        except BaseException:
+            self._discard()
+            raise
+        self._acc = list(sums)
+
+    def _discard(self) -> None:
+        self._acc = [None] * len(self._acc)
+        self._records = 0
+        self.engine.clear()
 
     def _event(self) -> Any:
         events = [g.plan().event for g in self._groups]
@@ -301,21 +310,26 @@ class DPOptimizer(torch.optim.Optimizer):
         return z
 
     @torch.no_grad()
-    def _release(self, write: Future) -> None:
+    def _add_noise(self) -> None:
+        """Starts each accumulator of the release from its noise: the clipped-sum products of
+        the last micro-batch then accumulate onto the noise (``addmm_``), with no extra pass."""
         noise = self._noise(self._releases)
-        grads: Dict[int, torch.Tensor] = {}
         for g, row in zip(self._groups, noise):
             for k, z in zip(g.members, row):
                 p = self._params[k]
                 # Shared with torch without a copy on CPU; copied to the device otherwise.
                 z = z.to(device=p.device, dtype=p.dtype, non_blocking=True)
                 acc = self._acc[k]
-                grads[k] = z if acc is None else acc.add_(z)
+                self._acc[k] = z if acc is None else acc.add_(z)
+
+    @torch.no_grad()
+    def _release(self, write: Future) -> None:
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
         write.result()
         self._releases += 1
-        for k, gr in grads.items():
-            self._params[k].grad = gr
+        for k, gr in enumerate(self._acc):
+            if gr is not None:
+                self._params[k].grad = gr
         self._acc = [None] * len(self._acc)
 
     def _logical_complete(self) -> bool:
@@ -348,6 +362,11 @@ class DPOptimizer(torch.optim.Optimizer):
             return loss
         write = self._start_ledger_write()
         try:
+            try:
+                self._add_noise()
+            except BaseException:
+                self._discard()
+                raise
             self._accumulate(b, factors)
         except BaseException:
             write.result()  # the entry stands (over-counting is the safe side); surface the error
