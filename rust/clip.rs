@@ -546,11 +546,18 @@ mod tests {
     fn part_sumsq_is_each_parts_squared_row_norm() {
         let a: Vec<f32> = (0..3 * 5).map(|i| i as f32 - 4.0).collect();
         let b: Vec<f64> = (0..3 * 2).map(|i| 0.5 * i as f64).collect();
-        let rec = Records::new(3, vec![Part::new(Column::F32(&a), 5), Part::new(Column::F64(&b), 2)]).unwrap();
+        let rec = Records::new(
+            3,
+            vec![Part::new(Column::F32(&a), 5), Part::new(Column::F64(&b), 2)],
+        )
+        .unwrap();
         let s = part_sumsq(&rec, true);
         assert_eq!(s, part_sumsq(&rec, false));
         for r in 0..3 {
-            let ra: f64 = a[r * 5..r * 5 + 5].iter().map(|v| (*v as f64).powi(2)).sum();
+            let ra: f64 = a[r * 5..r * 5 + 5]
+                .iter()
+                .map(|v| (*v as f64).powi(2))
+                .sum();
             let rb: f64 = b[r * 2..r * 2 + 2].iter().map(|v| v * v).sum();
             assert_eq!(s[0][r], ra);
             assert_eq!(s[1][r], rb);

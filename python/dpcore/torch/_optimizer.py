@@ -278,16 +278,19 @@ class DPOptimizer(torch.optim.Optimizer):
             out.append([sd / plan.denominator for sd in plan.part_stddevs])
         return out
 
-    def _draw_noise(self, step: int, stddevs: List[List[float]]) -> List[List[torch.Tensor]]:
+    def _draw_noise(self, step: int, stddevs: List[List[float]], parallel: bool = True) -> List[List[torch.Tensor]]:
         """ChaCha20 N(0, sd²) for release ``step``, one array per group member, from the core
-        (keyed from the OS, or derived from the test seed), computed in f64 and rounded once."""
+        (keyed from the OS, or derived from the test seed), computed in f64 and rounded once.
+        ``parallel=False`` keeps the work on the calling thread (the values are the same)."""
         out = []
         for gi, (g, sds) in enumerate(zip(self._groups, stddevs)):
             row = []
             for j, (k, sd) in enumerate(zip(g.members, sds)):
                 p = self._params[k]
                 ndt = np.float64 if p.dtype == torch.float64 else np.float32
-                z = gaussian_noise(tuple(p.shape), sd, dtype=ndt, seed=derive_seed(self._seed, step, gi, j))
+                z = gaussian_noise(
+                    tuple(p.shape), sd, dtype=ndt, seed=derive_seed(self._seed, step, gi, j), parallel=parallel
+                )
                 row.append(torch.from_numpy(z))
             out.append(row)
         return out
@@ -306,7 +309,7 @@ class DPOptimizer(torch.optim.Optimizer):
             z = self._draw_noise(step, sds)
         if self._noise_worker is None:
             self._noise_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-noise")
-        self._next_noise = (step + 1, sds, self._noise_worker.submit(self._draw_noise, step + 1, sds))
+        self._next_noise = (step + 1, sds, self._noise_worker.submit(self._draw_noise, step + 1, sds, False))
         return z
 
     @torch.no_grad()
