@@ -89,7 +89,13 @@ fn split_scales(t: &mut Tables) {
 /// A uniform double in (0, 1) from 32 fresh bits.
 #[inline]
 fn uniform01(rng: &mut ChaCha20) -> f64 {
-    (rng.next_word() as f64 + 0.5) * (1.0 / 4294967296.0)
+    unit(rng.next_word())
+}
+
+/// The uniform double in (0, 1) that one 32-bit word stands for.
+#[inline(always)]
+fn unit(word: u32) -> f64 {
+    (word as f64 + 0.5) * (1.0 / 4294967296.0)
 }
 
 /// A draw's disjoint bit fields: the signed 25-bit value and the 7-bit layer.
@@ -160,7 +166,7 @@ pub fn fill_standard_normal(rng: &mut ChaCha20, z: &mut [f64]) {
 /// A uniform height in layer i's wedge, [f_i, f_{i-1}), from one word.
 #[inline(always)]
 fn height(t: &Tables, i: usize, word: u32) -> f64 {
-    t.f[i] + (word as f64 + 0.5) * (1.0 / 4294967296.0) * (t.f[i - 1] - t.f[i])
+    t.f[i] + unit(word) * (t.f[i - 1] - t.f[i])
 }
 
 /// `z[j] = u_j · w[i_j]` for every draw, and bit j of `rejected` set where the draw falls

@@ -101,6 +101,11 @@ def _row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
     return [_sq(t, 1) for t in ts]
 
 
+def _can_take(base: Optional[torch.Tensor], like: torch.Tensor) -> bool:
+    """Whether ``like``'s values can be accumulated into ``base`` in place by one kernel."""
+    return base is not None and base.dtype == like.dtype and base.device == like.device
+
+
 def _add_into(base: Optional[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
     """``base += s`` in place (returns base), or ``s`` itself when there is no base."""
     return s if base is None else base.add_(s.to(device=base.device, dtype=base.dtype))
@@ -300,7 +305,7 @@ class _LinearLayer(_Layer):
             gw = g * c[:, None, None]
             a, xm = gw.reshape(b * t, dout).t(), x.reshape(b * t, din).to(g.dtype)
             base = into[k]
-            if base is not None and base.dtype == a.dtype and base.device == a.device:
+            if _can_take(base, a):
                 out.append(base.addmm_(a, xm))  # one pass: the product accumulates onto base
             else:
                 out.append(_add_into(base, a.matmul(xm)))
@@ -353,10 +358,10 @@ class _EmbeddingLayer(_Layer):
         d = self.module.embedding_dim
         c = (factors[0] * self.scale).to(g.dtype)
         rows = (g * c[:, None, None]).reshape(-1, d)
-        w = into[0]
-        if w is None or w.dtype != self.module.weight.dtype or w.device != self.module.weight.device:
-            return [_add_into(w, torch.zeros_like(self.module.weight).index_add_(0, idx.reshape(-1), rows.to(self.module.weight.dtype)))]
-        return [w.index_add_(0, idx.reshape(-1), rows.to(w.dtype))]
+        weight, base = self.module.weight, into[0]
+        target = base if _can_take(base, weight) else torch.zeros_like(weight)
+        target.index_add_(0, idx.reshape(-1), rows.to(target.dtype))
+        return [target if target is base else _add_into(base, target)]
 
 
 class _GenericLayer(_Layer):
@@ -432,18 +437,7 @@ class _GenericLayer(_Layer):
 
     def squared_norms(self) -> List[torch.Tensor]:
         self._pe = self._per_record()
-        out = []
-        for pe in self._pe:
-            flat = pe.reshape(pe.shape[0], -1)
-            if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
-                # CPU: the Rust core reads the per-record gradients in place (numpy() shares memory)
-                from ..mechanism import record_norms
-
-                n = torch.from_numpy(record_norms(flat.detach().contiguous().numpy()))
-            else:
-                n = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
-            out.append(n.square())
-        return out
+        return _row_sq(*(pe.reshape(pe.shape[0], -1) for pe in self._pe))
 
     def clipped_sums(self, factors: Sequence[torch.Tensor], into: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         pes = self._pe
