@@ -226,12 +226,21 @@ fn add_rows<T: Elem>(
     r0: usize,
     factors: &[f64],
 ) {
-    let rows: Vec<(f64, &[T])> = factors
-        .iter()
-        .enumerate()
-        .map(|(i, &f)| (f, row(x, width, r0 + i, b)))
-        .collect();
-    kernels::axpy_rows(acc, &rows);
+    let one = |i: usize| (factors[i], row(x, width, r0 + i, b));
+    if factors.len() <= OWNED_TILE_ROWS {
+        // The owned path's tiles: no allocation per call.
+        let rows: [(f64, &[T]); OWNED_TILE_ROWS] = std::array::from_fn(|i| {
+            if i < factors.len() {
+                one(i)
+            } else {
+                (0.0, &x[..0])
+            }
+        });
+        kernels::axpy_rows(acc, &rows[..factors.len()]);
+    } else {
+        let rows: Vec<(f64, &[T])> = (0..factors.len()).map(one).collect();
+        kernels::axpy_rows(acc, &rows);
+    }
 }
 
 /// Phase 2 for rows [r0, r0 + factors.len()): sums += Σ_r f_r·x_r, block by block.

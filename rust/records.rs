@@ -7,7 +7,7 @@
 use crate::error::{DpError, DpResult};
 
 /// Element types a record may hold. Arithmetic is always done in `f64`.
-pub trait Elem: Copy + Send + Sync + 'static {
+pub trait Elem: Copy + Send + Sync + 'static + crate::kernels::Lanes {
     fn to_f64(self) -> f64;
     fn from_f64(v: f64) -> Self;
     /// Unit roundoff of the type (half an ulp at 1.0).
