@@ -64,19 +64,25 @@ fn axpy_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])]) {
 /// Accumulate `acc[j] += f_r * x_r[j]` for each row r in order. Rows are taken eight, then four,
 /// then one at a time so that `acc` moves through the load/store ports once per group; the sum
 /// order per coordinate is still r = 0, 1, 2, ... so grouping does not change the bits.
+macro_rules! by_row_groups {
+    ($group:ident, $acc:expr, $rows:expr) => {{
+        let mut eights = $rows.chunks_exact(8);
+        for g in &mut eights {
+            $group::<T, 8>($acc, g);
+        }
+        let mut fours = eights.remainder().chunks_exact(4);
+        for g in &mut fours {
+            $group::<T, 4>($acc, g);
+        }
+        for g in fours.remainder().chunks_exact(1) {
+            $group::<T, 1>($acc, g);
+        }
+    }};
+}
+
 #[inline(always)]
 fn axpy_rows_generic<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
-    let mut eights = rows.chunks_exact(8);
-    for g in &mut eights {
-        axpy_group::<T, 8>(acc, g);
-    }
-    let mut fours = eights.remainder().chunks_exact(4);
-    for g in &mut fours {
-        axpy_group::<T, 4>(acc, g);
-    }
-    for g in fours.remainder().chunks_exact(1) {
-        axpy_group::<T, 1>(acc, g);
-    }
+    by_row_groups!(axpy_group, acc, rows)
 }
 
 #[inline(always)]
@@ -199,17 +205,7 @@ mod explicit {
 
     #[target_feature(enable = "avx2,fma")]
     pub fn axpy_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
-        let mut eights = rows.chunks_exact(8);
-        for g in &mut eights {
-            axpy_group::<T, 8>(acc, g);
-        }
-        let mut fours = eights.remainder().chunks_exact(4);
-        for g in &mut fours {
-            axpy_group::<T, 4>(acc, g);
-        }
-        for g in fours.remainder().chunks_exact(1) {
-            axpy_group::<T, 1>(acc, g);
-        }
+        by_row_groups!(axpy_group, acc, rows)
     }
 }
 
