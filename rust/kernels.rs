@@ -61,9 +61,9 @@ fn axpy_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])]) {
     }
 }
 
-/// Accumulate `acc[j] += f_r * x_r[j]` for each row r in order. Rows are taken eight, then four,
-/// then one at a time so that `acc` moves through the load/store ports once per group; the sum
-/// order per coordinate is still r = 0, 1, 2, ... so grouping does not change the bits.
+/// Runs a row-group kernel over rows taken eight, then four, then one at a time, so that `acc`
+/// moves through the load/store ports once per group; the sum order per coordinate is still
+/// r = 0, 1, 2, ... so grouping does not change the bits. Shared by the generic and explicit axpy.
 macro_rules! by_row_groups {
     ($group:ident, $acc:expr, $rows:expr) => {{
         let mut eights = $rows.chunks_exact(8);
@@ -80,6 +80,7 @@ macro_rules! by_row_groups {
     }};
 }
 
+/// Accumulate `acc[j] += f_r * x_r[j]` for each row r in order.
 #[inline(always)]
 fn axpy_rows_generic<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
     by_row_groups!(axpy_group, acc, rows)
@@ -137,12 +138,11 @@ impl Lanes for f64 {
 }
 
 /// The clip's two inner loops over f32 records written with 256-bit intrinsics, for both x86
-/// tiers. The compiler
-/// turned the generic 32-lane sum of squares into 128-bit shuffles, and on Zen 4 a 512-bit
-/// f32→f64 conversion has half the throughput of two 256-bit ones, which made both passes
-/// compute-bound (measured in L2: sum of squares 0.103 → 0.042 ns per f32, four-row axpy
-/// 0.069 → 0.061). The lanes and the order of every operation are those of the generic kernels,
-/// so the bits are too (tested below).
+/// tiers. The compiler turned the generic 32-lane sum of squares into 128-bit shuffles, and on
+/// Zen 4 a 512-bit f32→f64 conversion has half the throughput of two 256-bit ones, which made
+/// both passes compute-bound (measured in L2 on one core: sum of squares 0.103 → 0.041 ns per
+/// f32, four-row axpy 0.069 → 0.058). The lanes and the order of every operation are those of
+/// the generic kernels, so the bits are too (tested below).
 #[cfg(target_arch = "x86_64")]
 mod explicit {
     use super::*;
@@ -361,6 +361,7 @@ mod tests {
                         .map(|(i, r)| (0.1 + i as f64 / 7.0, r.as_slice()))
                         .collect();
                     let (mut a, mut b) = (vec![0.25; n], vec![0.25; n]);
+                    // SAFETY: as above.
                     unsafe { explicit::axpy_rows(&mut a, &rr) };
                     axpy_rows_generic(&mut b, &rr);
                     assert_eq!(a, b, "n = {n}, rows = {g}");
