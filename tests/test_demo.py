@@ -7,7 +7,9 @@ from dpcore import demo
 
 
 def test_demo_learns_and_reports():
-    res = demo.run(demo.DemoConfig(epochs=8))
+    # A fixed seed (tests only): with OS-seeded sampling the non-private baseline's last steps
+    # (learning rate 4, samples of ~256) left it at exactly 0.90 once in CI, at 0.94-0.96 usually.
+    res = demo.run(demo.DemoConfig(epochs=8, seed=0))
     assert res["accuracy_nonprivate"] > 0.9
     assert res["accuracy_private"] > 0.8
     # ε of the run equals the accountant's for the same (q, z, steps): the demo reports what it did.
