@@ -11,6 +11,9 @@ pub enum DpError {
     Shape(String),
     /// An output could not be allocated (`MemoryError`), instead of aborting the process.
     OutOfMemory { bytes: u128 },
+    /// A privacy loss grid would need more atoms than its cap (`ValueError`; the automatic grid
+    /// coarsens itself instead of raising this).
+    GridTooLarge { bins: f64 },
 }
 
 pub type DpResult<T> = Result<T, DpError>;
@@ -34,6 +37,11 @@ impl fmt::Display for DpError {
             ),
             DpError::Shape(m) => f.write_str(m),
             DpError::OutOfMemory { bytes } => write!(f, "cannot allocate {bytes} bytes for the result"),
+            DpError::GridTooLarge { bins } => write!(
+                f,
+                "value_discretization_interval: the privacy loss grid would need {bins:.3e} atoms, above the cap; \
+                 use a larger interval (or None to choose it automatically)"
+            ),
         }
     }
 }

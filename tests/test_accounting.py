@@ -58,7 +58,7 @@ def test_gaussian_mechanism_closed_form():
 
     f = lambda a: rho * a + math.log1p(-1 / a) - (math.log(delta) + math.log(a)) / (a - 1)
     fine = minimize_scalar(f, bounds=(1.5, 64), method="bounded", options={"xatol": 1e-10}).fun
-    eps = A.epsilon(1.0, z, steps, delta)
+    eps = A.epsilon(1.0, z, steps, delta, accountant="rdp")
     assert fine * (1 - 1e-7) <= eps <= fine * (1 + 1e-7)
 
 
@@ -124,9 +124,9 @@ def test_no_finite_guarantee_is_inf_not_error():
     assert acc.get_epsilon(1e-5) == math.inf
     assert acc.get_delta(1.0) == 1.0
     assert A.epsilon(0.1, 0.0, 10, 1e-5) == math.inf
-    assert A.epsilon(0.1, 1.0, 10, 0.0) == math.inf
+    assert A.epsilon(0.1, 1.0, 10, 0.0, accountant="rdp") == math.inf
     assert A.epsilon(0.0, 1.0, 10, 1e-5) == 0.0
-    assert A.epsilon(0.0, 1.0, 10, 0.0) == 0.0
+    assert A.epsilon(0.0, 1.0, 10, 0.0, accountant="rdp") == 0.0
     assert RdpAccountant().get_epsilon(1e-5) == 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", A.OrderRangeWarning)  # best order 1.1, the grid's edge
@@ -233,17 +233,17 @@ def test_monotone_in_steps_noise_and_rate():
 
 @pytest.mark.parametrize("q, steps, target", [(0.01, 1000, 1.0), (0.04, 2250, 8.0), (0.001, 10**5, 3.0), (1.0, 10, 2.0)])
 def test_calibrate_noise_multiplier(q, steps, target):
-    z = A.calibrate_noise_multiplier(target, 1e-5, q, steps)
-    assert A.epsilon(q, z, steps, 1e-5) <= target
-    assert A.epsilon(q, z * (1 - 1e-6), steps, 1e-5) > target
+    z = A.calibrate_noise_multiplier(target, 1e-5, q, steps, accountant="rdp")
+    assert A.epsilon(q, z, steps, 1e-5, accountant="rdp") <= target
+    assert A.epsilon(q, z * (1 - 1e-6), steps, 1e-5, accountant="rdp") > target
 
 
 @pytest.mark.parametrize("z, steps, target", [(1.0, 1000, 1.0), (1.5, 2250, 8.0), (0.8, 100, 0.5)])
 def test_calibrate_sampling_probability(z, steps, target):
-    q = A.calibrate_sampling_probability(target, 1e-5, z, steps)
+    q = A.calibrate_sampling_probability(target, 1e-5, z, steps, accountant="rdp")
     assert 0 < q < 1
-    assert A.epsilon(q, z, steps, 1e-5) <= target
-    assert A.epsilon(min(1.0, q * (1 + 1e-6)), z, steps, 1e-5) > target
+    assert A.epsilon(q, z, steps, 1e-5, accountant="rdp") <= target
+    assert A.epsilon(min(1.0, q * (1 + 1e-6)), z, steps, 1e-5, accountant="rdp") > target
 
 
 def test_calibrate_sampling_probability_all_fit():
@@ -252,7 +252,7 @@ def test_calibrate_sampling_probability_all_fit():
 
 @pytest.mark.parametrize("q, z, target", [(0.01, 1.0, 1.0), (0.04, 1.5, 8.0), (0.1, 0.7, 0.1)])
 def test_calibrate_steps(q, z, target):
-    s = A.calibrate_steps(target, 1e-5, q, z)
+    s = A.calibrate_steps(target, 1e-5, q, z, accountant="rdp")
     if s > 0:
-        assert A.epsilon(q, z, s, 1e-5) <= target
-    assert A.epsilon(q, z, s + 1, 1e-5) > target
+        assert A.epsilon(q, z, s, 1e-5, accountant="rdp") <= target
+    assert A.epsilon(q, z, s + 1, 1e-5, accountant="rdp") > target

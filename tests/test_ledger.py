@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -461,7 +462,7 @@ def test_ledger_replay_equals_direct_accounting(tmp_path):
     z = (sum((t.l2_norm_clip / t.stddev) ** 2 for t in tuples)) ** -0.5
     direct = acc.RdpAccountant()
     direct.compose(acc.PoissonSampledEvent(0.004, acc.GaussianEvent(z)), 50)
-    eps = PrivacyLedger.load(p).get_epsilon(1e-5)
+    eps = PrivacyLedger.load(p).get_epsilon(1e-5, accountant="rdp")
     assert eps == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
     assert eps >= direct.get_epsilon(1e-5) * (1 - 1e-12)  # z rounded down: never a smaller ε
     assert math.isfinite(eps) and eps > 0
@@ -482,8 +483,8 @@ def test_shuffle_epsilon_is_unamplified(tmp_path):
     shuffled = write_steps(tmp_path / "s.jsonl", 10, policy="shuffle")
     poisson = write_steps(tmp_path / "p.jsonl", 10, policy="poisson")
     with pytest.warns(LedgerWarning, match="shuffle"):
-        e_s = PrivacyLedger.load(shuffled).get_epsilon(1e-5)
-    e_p = PrivacyLedger.load(poisson).get_epsilon(1e-5)
+        e_s = PrivacyLedger.load(shuffled).get_epsilon(1e-5, accountant="rdp")
+    e_p = PrivacyLedger.load(poisson).get_epsilon(1e-5, accountant="rdp")
     z = (1 / 1.1**2 + 1 / 6.0**2) ** -0.5
     direct = acc.RdpAccountant()
     direct.compose(acc.GaussianEvent(z), 10)
@@ -501,9 +502,86 @@ def test_non_private_ledger_is_infinite(tmp_path):
 
 
 def test_get_epsilon_bad_accountant(tmp_path):
-    p = write_steps(tmp_path / "l.jsonl", 1)
-    with pytest.raises(ValueError, match="accountant"):
-        PrivacyLedger.load(p).get_epsilon(1e-5, accountant="pld")
+    led = PrivacyLedger.load(write_steps(tmp_path / "l.jsonl", 1))
+    for bad in ("bogus", "PLD", None, 1):
+        with pytest.raises(ValueError, match=r"accountant must be one of \('pld', 'rdp'\)"):
+            led.get_epsilon(1e-5, accountant=bad)
+        with pytest.raises(ValueError, match=r"accountant must be one of \('pld', 'rdp'\)"):
+            led.get_delta(1.0, accountant=bad)
+    # Rényi orders mean nothing to the PLD accountant: refused rather than silently ignored.
+    with pytest.raises(ValueError, match="orders"):
+        led.get_epsilon(1e-5, orders=[2, 4, 8])
+    with pytest.raises(ValueError, match="orders"):
+        led.get_delta(1.0, accountant="pld", orders=[2, 4, 8])
+
+
+# ----------------------------------------------------------------------------- choice of accountant
+
+
+def test_default_accountant_is_pld(tmp_path):
+    acc = pytest.importorskip("dpcore.accounting")
+    assert inspect.signature(PrivacyLedger.get_epsilon).parameters["accountant"].default == "pld"
+    assert inspect.signature(PrivacyLedger.get_delta).parameters["accountant"].default == "pld"
+    led = PrivacyLedger.load(write_steps(tmp_path / "l.jsonl", 50))
+    ref = acc.PldAccountant()
+    ref.compose(led.to_event())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Poisson ledger needs no fallback
+        eps = led.get_epsilon(1e-5)
+        assert led.get_epsilon(1e-5, accountant="pld") == eps
+        delta = led.get_delta(eps)
+    assert eps == ref.get_epsilon(1e-5)
+    assert delta == ref.get_delta(eps)
+    assert 0 < eps < math.inf and 0 < delta < 1
+    # The reason PLD is the default: for Poisson-sampled Gaussians it certifies a smaller ε.
+    assert eps < led.get_epsilon(1e-5, accountant="rdp")
+
+
+def test_rdp_accountant_still_available_and_unchanged(tmp_path):
+    acc = pytest.importorskip("dpcore.accounting")
+    led = PrivacyLedger.load(write_steps(tmp_path / "l.jsonl", 30))
+    z = led.samples[0].noise_multiplier()
+    direct = acc.RdpAccountant()
+    direct.compose(acc.PoissonSampledEvent(0.01, acc.GaussianEvent(z)), 30)
+    assert led.get_epsilon(1e-5, accountant="rdp") == direct.get_epsilon(1e-5)
+    assert led.get_delta(1.0, accountant="rdp") == direct.get_delta(1.0)
+    orders = [1.5, 2.0, 4.0, 8.0, 16.0, 32.0]
+    coarse = acc.RdpAccountant(orders=orders)
+    coarse.compose(acc.PoissonSampledEvent(0.01, acc.GaussianEvent(z)), 30)
+    assert led.get_epsilon(1e-5, accountant="rdp", orders=orders) == coarse.get_epsilon(1e-5)
+    fixed = PrivacyLedger.load(write_steps(tmp_path / "f.jsonl", 5, policy="fixed_size_without_replacement"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for RDP: no fallback, so no fallback warning
+        e = fixed.get_epsilon(1e-5, accountant="rdp", neighboring="replace_one")
+    assert 0 < e < math.inf
+
+
+def test_pld_falls_back_to_rdp_for_the_whole_ledger(tmp_path):
+    pytest.importorskip("dpcore.accounting")
+    fallback = "cannot be analysed by the PLD accountant; the whole ledger is accounted with RDP instead"
+    # Fixed-size samples (no PLD analysis) next to shuffled ones (a plain Gaussian, which PLD
+    # could analyse): still one RDP analysis of everything, never PLD for a part.
+    p = write_steps(tmp_path / "l.jsonl", 5, policy="fixed_size_without_replacement")
+    with PrivacyLedger(p) as w:
+        w.record_sample(1000, 0.01, "shuffle")
+        w.record_release(SumQueryEvent(1.0, 4.0))
+    led = PrivacyLedger.load(p)
+    with pytest.warns(LedgerWarning) as rec:
+        eps = led.get_epsilon(1e-5, neighboring="replace_one")
+    msgs = [str(r.message) for r in rec]
+    assert any(fallback in m and "SampledWithoutReplacementEvent" in m and str(p) in m for m in msgs), msgs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LedgerWarning)  # the shuffle warning
+        assert eps == led.get_epsilon(1e-5, accountant="rdp", neighboring="replace_one")
+        rdp_delta = led.get_delta(eps, accountant="rdp", neighboring="replace_one")
+    with pytest.warns(LedgerWarning) as rec:
+        assert led.get_delta(eps, neighboring="replace_one") == rdp_delta
+    assert any(fallback in str(r.message) for r in rec)
+    # Under add_or_remove RDP has no analysis of fixed-size samples either: the fallback is
+    # announced, then RDP's own refusal is raised (no partial ε).
+    with pytest.warns(LedgerWarning) as rec, pytest.raises(ValueError, match="only under neighboring='replace_one'"):
+        led.get_epsilon(1e-5)
+    assert any(fallback in str(r.message) for r in rec)
 
 
 # ----------------------------------------------------------------------------- properties

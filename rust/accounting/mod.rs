@@ -7,12 +7,14 @@
 //!   Kasiviswanathan 2019).
 //! * [`conversion`]: RDP → (ε, δ) (Canonne, Kamath, Steinke 2020, Prop. 12), minimised over the
 //!   grid of orders and continuously.
+//! * [`pld`]: privacy loss distributions: tight ε with certified upper and lower bounds.
 //! * [`calibration`]: noise multiplier, sampling probability or steps for a target ε.
 //!
 //! Every value returned is rounded so that the ε it leads to is an upper bound.
 
 pub mod calibration;
 pub mod conversion;
+pub mod pld;
 pub mod quad;
 pub mod rdp_poisson;
 pub mod rdp_wor;

@@ -2,7 +2,7 @@
 //! the parameter; the work runs without the GIL.
 
 use super::detached;
-use crate::accounting::{calibration, conversion, default_orders, rdp_poisson, Composition};
+use crate::accounting::{calibration, conversion, default_orders, pld, rdp_poisson, Composition};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use rayon::prelude::*;
@@ -201,7 +201,56 @@ fn default_rdp_orders() -> Vec<f64> {
     default_orders()
 }
 
+fn pld_groups(groups: &[(f64, f64, f64)]) -> Vec<pld::Group> {
+    groups
+        .iter()
+        .map(|&(q, sigma, count)| pld::Group { q, sigma, count })
+        .collect()
+}
+
+fn pld_options(interval: Option<f64>) -> pld::Options {
+    pld::Options {
+        interval,
+        ..pld::Options::default()
+    }
+}
+
+/// (lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
+/// under add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound.
+#[pyfunction]
+#[pyo3(signature = (groups, delta, interval=None, lower=true))]
+fn pld_epsilon_bounds(
+    py: Python<'_>,
+    groups: Groups,
+    delta: f64,
+    interval: Option<f64>,
+    lower: bool,
+) -> PyResult<(f64, f64, f64)> {
+    detached(py, || {
+        let b = pld::epsilon_bounds(&pld_groups(&groups), delta, &pld_options(interval), lower)?;
+        Ok((b.lower, b.upper, b.interval))
+    })
+}
+
+/// (lower, upper, grid interval) of δ at ε, as [`pld_epsilon_bounds`].
+#[pyfunction]
+#[pyo3(signature = (groups, epsilon, interval=None, lower=true))]
+fn pld_delta_bounds(
+    py: Python<'_>,
+    groups: Groups,
+    epsilon: f64,
+    interval: Option<f64>,
+    lower: bool,
+) -> PyResult<(f64, f64, f64)> {
+    detached(py, || {
+        let b = pld::delta_bounds(&pld_groups(&groups), epsilon, &pld_options(interval), lower)?;
+        Ok((b.lower, b.upper, b.interval))
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(pld_epsilon_bounds, m)?)?;
+    m.add_function(wrap_pyfunction!(pld_delta_bounds, m)?)?;
     m.add_function(wrap_pyfunction!(rdp_poisson_subsampled_gaussian, m)?)?;
     m.add_function(wrap_pyfunction!(rdp_composition, m)?)?;
     m.add_function(wrap_pyfunction!(rdp_per_group, m)?)?;

@@ -1,9 +1,19 @@
 """Privacy accounting: (ε, δ) of what a training run did; concern (c) of McMahan et al. 2018.
 
-Describe the run with events (:mod:`.events`), compose them into an :class:`RdpAccountant`,
-ask for ε (or δ). Calibration helpers find the noise, sampling rate or steps for a target ε.
-See :mod:`dpcore.accounting.rdp` for the papers and equations behind every number.
+Describe the run with events (:mod:`dpcore.events`), compose them into an accountant
+(:class:`PrivacyAccountant`: :class:`PldAccountant`, the tightest and the default everywhere,
+or :class:`RdpAccountant`), ask for ε (or δ). Calibration helpers find the noise, sampling rate
+or steps for a target ε under either. See :mod:`dpcore.accounting.pld` and
+:mod:`dpcore.accounting.rdp` for the papers and equations behind every number.
 """
+
+from .base import (
+    ACCOUNTANTS,
+    DEFAULT_ACCOUNTANT,
+    PrivacyAccountant,
+    UnsupportedEventError,
+    make_accountant,
+)
 
 from .calibration import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
 from .events import (
@@ -17,6 +27,7 @@ from .events import (
     event_from_dict,
 )
 from .interop import from_dp_accounting, to_dp_accounting
+from .pld import PldAccountant
 from .rdp import (
     DEFAULT_ORDERS,
     OrderRangeWarning,
@@ -27,6 +38,12 @@ from .rdp import (
 )
 
 __all__ = [
+    "PrivacyAccountant",
+    "PldAccountant",
+    "UnsupportedEventError",
+    "make_accountant",
+    "ACCOUNTANTS",
+    "DEFAULT_ACCOUNTANT",
     "Event",
     "GaussianEvent",
     "PoissonSampledEvent",

@@ -1,18 +1,59 @@
-"""Calibration of a DP-SGD run to a target (ε, δ) under RDP accounting.
+"""Calibration of a DP-SGD run to a target (ε, δ), under the PLD accountant (default) or RDP.
 
-Each function searches (in Rust: bracketing, then the Illinois variant of regula falsi on
-log ε) for the boundary where ε, computed as in :func:`dpcore.accounting.epsilon`
-(Mironov, Talwar, Zhang 2019 §3; Canonne, Kamath, Steinke 2020 Prop. 12), meets the target.
-The result never exceeds the target (it is verified by evaluating ε at the returned value) and
-lies within 1e-6 relative of the boundary; for steps, it is the largest integer that fits.
+Each function searches for the boundary where ε, computed as in
+:func:`dpcore.accounting.epsilon` with the same accountant, meets the target: under RDP in Rust
+(bracketing, then the Illinois variant of regula falsi on log ε; Mironov, Talwar, Zhang 2019
+§3; Canonne, Kamath, Steinke 2020 Prop. 12); under PLD here, starting from the RDP answer
+(PLD's ε is smaller, so the RDP value is a verified bracket end) and refining with the same
+Illinois iteration over Rust evaluations of the PLD ε (Doroshenko et al. 2022). The result
+never exceeds the target under the accountant used (it is verified by evaluating ε at the
+returned value) and lies within 1e-6 relative of the boundary (PLD: 1e-5); for steps, it is the
+largest integer that fits.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 from .. import _core
+from .base import DEFAULT_ACCOUNTANT, check_accountant
 from .rdp import _count, _orders, _real
+
+
+def _pld_eps(q: float, z: float, steps: int, delta: float) -> float:
+    return _core.pld_epsilon_bounds([(q, z, float(steps))], delta, None, False)[1]
+
+
+def _illinois(f, xb: float, fb: float, xg: float, fg: float, rel: float) -> float:
+    """Narrows [bad, good] on a log scale (f > 0 bad, f <= 0 good) to ``rel``; returns good."""
+    side = 0
+    for _ in range(100):
+        if abs(xg - xb) <= rel:
+            break
+        x = 0.5 * (xb + xg)
+        if math.isfinite(fb) and math.isfinite(fg) and fb != fg:
+            sx = (xb * fg - xg * fb) / (fg - fb)
+            lo, hi = min(xb, xg), max(xb, xg)
+            if lo + 1e-3 * (hi - lo) < sx < hi - 1e-3 * (hi - lo):
+                x = sx
+        fx = f(x)
+        if fx > 0:
+            xb, fb = x, fx
+            if side == -1:
+                fg *= 0.5
+            side = -1
+        else:
+            xg, fg = x, fx
+            if side == 1:
+                fb *= 0.5
+            side = 1
+    return xg
+
+
+def _no_orders(accountant: str, orders) -> None:
+    if accountant == "pld" and orders is not None:
+        raise ValueError("orders are an RDP setting; pass accountant='rdp' to use them")
 
 
 def _target(eps: float, delta: float):
@@ -52,12 +93,44 @@ def calibrate_noise_multiplier(
     sampling_probability: float,
     steps: int,
     orders: Optional[Sequence[float]] = None,
+    *,
+    accountant: str = DEFAULT_ACCOUNTANT,
 ) -> float:
-    """Smallest noise multiplier z (to 1e-6 relative, rounded up) such that ``steps``
-    Poisson-subsampled Gaussian steps have ε ≤ ``target_epsilon`` at ``target_delta``
-    (RDP: MTZ 2019 §3; conversion: CKS 2020 Prop. 12)."""
+    """Smallest noise multiplier z (to 1e-6 relative under RDP, 1e-5 under PLD, rounded up)
+    such that ``steps`` Poisson-subsampled Gaussian steps have ε ≤ ``target_epsilon`` at
+    ``target_delta`` under ``accountant`` ("pld": Doroshenko et al. 2022; "rdp": MTZ 2019 §3
+    with CKS 2020 Prop. 12)."""
     e, d = _target(target_epsilon, target_delta)
-    return _core.calibrate_noise_multiplier(e, d, _q(sampling_probability), float(_steps(steps)), _orders(orders).tolist())
+    check_accountant(accountant)
+    _no_orders(accountant, orders)
+    q, t = _q(sampling_probability), _steps(steps)
+    z_rdp = _core.calibrate_noise_multiplier(e, d, q, float(t), _orders(orders).tolist())
+    if accountant == "rdp" or q == 0.0:
+        return z_rdp
+    lt = math.log(e)
+
+    def g(lz: float) -> float:
+        return math.log(max(_pld_eps(q, math.exp(lz), t, d), 1e-300)) - lt
+
+    # z_rdp meets the target under PLD too (PLD is tighter); step up if discretisation says not.
+    lg = math.log(z_rdp)
+    fg = g(lg)
+    while fg > 0:
+        lg += 0.05
+        fg = g(lg)
+    lb, fb = lg - 0.7, g(lg - 0.7)
+    while fb <= 0:
+        lg, fg = lb, fb
+        lb -= 0.7
+        if lb < -40:
+            return math.exp(lg)
+        fb = g(lb)
+    z = math.exp(_illinois(g, lb, fb, lg, fg, 1e-5))
+    for _ in range(8):
+        if _pld_eps(q, z, t, d) <= e:
+            return z
+        z = math.nextafter(math.nextafter(z, math.inf), math.inf)
+    raise RuntimeError("calibration failed to verify the target (please report)")
 
 
 def calibrate_sampling_probability(
@@ -66,11 +139,44 @@ def calibrate_sampling_probability(
     noise_multiplier: float,
     steps: int,
     orders: Optional[Sequence[float]] = None,
+    *,
+    accountant: str = DEFAULT_ACCOUNTANT,
 ) -> float:
-    """Largest sampling probability q (to 1e-6 relative, rounded down; 1.0 if every q fits)
-    with ε ≤ ``target_epsilon`` (RDP: MTZ 2019 §3; conversion: CKS 2020 Prop. 12)."""
+    """Largest sampling probability q (to 1e-6 relative under RDP, 1e-5 under PLD, rounded
+    down; 1.0 if every q fits) with ε ≤ ``target_epsilon`` under ``accountant``."""
     e, d = _target(target_epsilon, target_delta)
-    return _core.calibrate_sampling_probability(e, d, _z(noise_multiplier), float(_steps(steps)), _orders(orders).tolist())
+    check_accountant(accountant)
+    _no_orders(accountant, orders)
+    z, t = _z(noise_multiplier), _steps(steps)
+    q_rdp = _core.calibrate_sampling_probability(e, d, z, float(t), _orders(orders).tolist())
+    if accountant == "rdp":
+        return q_rdp
+    if _pld_eps(1.0, z, t, d) <= e:
+        return 1.0
+    if q_rdp == 0.0:
+        return 0.0
+    lt = math.log(e)
+
+    def g(lq: float) -> float:
+        return math.log(max(_pld_eps(min(math.exp(lq), 1.0), z, t, d), 1e-300)) - lt
+
+    lg = math.log(q_rdp)
+    fg = g(lg)
+    while fg > 0:
+        lg -= 0.05
+        fg = g(lg)
+    lb = min(lg + 0.7, 0.0)
+    fb = g(lb)
+    while fb <= 0:
+        lg, fg = lb, fb
+        lb = min(lb + 0.7, 0.0)
+        fb = g(lb)
+    q = min(math.exp(_illinois(g, lb, fb, lg, fg, 1e-5)), 1.0)
+    for _ in range(8):
+        if _pld_eps(q, z, t, d) <= e:
+            return q
+        q = math.nextafter(math.nextafter(q, 0.0), 0.0)
+    raise RuntimeError("calibration failed to verify the target (please report)")
 
 
 def calibrate_steps(
@@ -79,9 +185,36 @@ def calibrate_steps(
     sampling_probability: float,
     noise_multiplier: float,
     orders: Optional[Sequence[float]] = None,
+    *,
+    accountant: str = DEFAULT_ACCOUNTANT,
 ) -> int:
     """Largest number of steps (0 if none fits; searched up to 2^53) with ε ≤
-    ``target_epsilon`` (RDP: MTZ 2019 §3, composed by Mironov 2017 Prop. 1; conversion: CKS
-    2020 Prop. 12)."""
+    ``target_epsilon`` under ``accountant`` (RDP: MTZ 2019 §3, Mironov 2017 Prop. 1, CKS 2020
+    Prop. 12; PLD: Doroshenko et al. 2022)."""
     e, d = _target(target_epsilon, target_delta)
-    return int(_core.calibrate_steps(e, d, _q(sampling_probability), _z(noise_multiplier), _orders(orders).tolist()))
+    check_accountant(accountant)
+    _no_orders(accountant, orders)
+    q, z = _q(sampling_probability), _z(noise_multiplier)
+    s_rdp = int(_core.calibrate_steps(e, d, q, z, _orders(orders).tolist()))
+    if accountant == "rdp":
+        return s_rdp
+    ok = lambda s: _pld_eps(q, z, s, d) <= e  # noqa: E731
+    good = max(s_rdp, 1)
+    while good > 1 and not ok(good):
+        good //= 2
+    if not ok(good):
+        return 0
+    bad = good * 2
+    cap = 1 << 53
+    while ok(bad):
+        good = bad
+        if bad >= cap:
+            return cap
+        bad = min(bad * 2, cap)
+    while bad - good > 1:
+        mid = good + (bad - good) // 2
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good

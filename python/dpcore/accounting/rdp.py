@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
+from .base import PrivacyAccountant, UnsupportedEventError
 from .events import (
     ComposedEvent,
     Event,
@@ -144,7 +145,7 @@ def _effective_noise(event: Event) -> Optional[float]:
     return None
 
 
-class RdpAccountant:
+class RdpAccountant(PrivacyAccountant):
     """Rényi-DP accountant (see the module docstring for the papers and equations).
 
     ``neighboring``: ``"add_or_remove"`` (Poisson sampling, Gaussian steps) or ``"replace_one"``
@@ -152,9 +153,10 @@ class RdpAccountant:
     10⁶ steps drawn from a few distinct (q, z) costs one RDP evaluation per distinct pair.
     """
 
+    name = "rdp"
+
     def __init__(self, orders: Optional[Sequence[float]] = None, neighboring: str = "add_or_remove") -> None:
-        if neighboring not in NEIGHBORING:
-            raise ValueError(f"neighboring must be one of {NEIGHBORING}, got {neighboring!r}")
+        super().__init__(neighboring)
         self._orders = _orders(orders)
         self._neighboring = neighboring
         self._poisson: Dict[Tuple[float, float], int] = {}
@@ -166,9 +168,15 @@ class RdpAccountant:
     def orders(self) -> np.ndarray:
         return self._orders.copy()
 
-    @property
-    def neighboring(self) -> str:
-        return self._neighboring
+    def supports(self, event: Event) -> bool:
+        """Whether :meth:`compose` can analyse ``event`` under this accountant's relation."""
+        if not isinstance(event, Event):
+            return False
+        try:
+            self._walk(event, 1, {}, {}, {"non_private": False}, {})
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def compose(self, event: Event, count: int = 1) -> "RdpAccountant":
         """Records ``count`` runs of ``event``; returns the accountant (for chaining). Nothing
@@ -206,20 +214,26 @@ class RdpAccountant:
             poisson[key] = poisson.get(key, 0) + count
         elif isinstance(e, PoissonSampledEvent):
             if self._neighboring != "add_or_remove":
-                raise ValueError("PoissonSampledEvent needs neighboring='add_or_remove'")
+                raise UnsupportedEventError(
+                    f"RdpAccountant cannot analyse {e!r} under neighboring='replace_one': Poisson sampling is analysed "
+                    "under 'add_or_remove' (RdpAccountant() or PldAccountant())"
+                )
             z = self._inner_noise(e.event, "PoissonSampledEvent", flags)
             if z is not None:
                 key = (e.sampling_probability, z)
                 poisson[key] = poisson.get(key, 0) + count
         elif isinstance(e, SampledWithoutReplacementEvent):
             if self._neighboring != "replace_one":
-                raise ValueError("SampledWithoutReplacementEvent needs neighboring='replace_one'")
+                raise UnsupportedEventError(
+                    f"RdpAccountant cannot analyse {e!r} under neighboring='add_or_remove': sampling without "
+                    "replacement is analysed under RdpAccountant(neighboring='replace_one')"
+                )
             z = self._inner_noise(e.event, "SampledWithoutReplacementEvent", flags)
             if z is not None:
                 key = (e.sample_size / e.source_size, z)
                 wor[key] = wor.get(key, 0) + count
         else:
-            raise TypeError(f"unsupported event {type(e).__name__}")
+            raise UnsupportedEventError(f"RdpAccountant cannot analyse {type(e).__name__} events")
 
     @staticmethod
     def _inner_noise(inner: Event, outer: str, flags: dict) -> Optional[float]:
@@ -304,10 +318,13 @@ def epsilon(
     steps: int,
     delta: float,
     orders: Optional[Sequence[float]] = None,
+    *,
+    accountant: str = "pld",
 ) -> float:
-    """ε after ``steps`` Poisson-subsampled Gaussian steps, for target δ.
+    """ε after ``steps`` Poisson-subsampled Gaussian steps, for target δ, under ``accountant``.
 
-    RDP by Mironov, Talwar, Zhang 2019 §3 (exact sums / quadrature), composed over steps
+    ``"pld"`` (default): the certified upper bound of :class:`dpcore.accounting.PldAccountant`
+    (Doroshenko et al. 2022, connect the dots; FFT composition). ``"rdp"``: RDP by Mironov, Talwar, Zhang 2019 §3 (exact sums / quadrature), composed over steps
     (Mironov 2017 Prop. 1), converted with CKS 2020 Prop. 12 over ``orders`` (default
     :data:`DEFAULT_ORDERS`) and continuously between them.
     """
@@ -319,6 +336,15 @@ def epsilon(
         raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
     if not z >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    from .base import check_accountant
+
+    check_accountant(accountant)
+    if accountant == "pld":
+        if orders is not None:
+            raise ValueError("orders are an RDP setting; pass accountant='rdp' to use them")
+        if s == 0 or q == 0:
+            return 0.0
+        return _core.pld_epsilon_bounds([(q, z, float(s))], d, None, False)[1]
     o = _orders(orders)
     if s == 0:
         return 0.0

@@ -13,7 +13,7 @@ Queries: :class:`GaussianSumQuery`, :class:`GaussianAverageQuery`, :class:`Joint
 
 from .adaptive import QuantileAdaptiveClipQuery
 from .base import DPQuery, SumState
-from .events import (
+from ..events import (
     ComposedQueryEvent,
     NonPrivateQueryEvent,
     SumQueryEvent,

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..mechanism import gaussian_noise
 from .base import DPQuery, SumState, derive_seed, nonnegative, positive
-from .events import ComposedQueryEvent, SumQueryEvent
+from ..events import ComposedQueryEvent, SumQueryEvent
 from .gaussian import GaussianSumQuery
 
 __all__ = ["QuantileAdaptiveClipQuery", "AdaptiveClipGlobalState", "AdaptiveClipSampleState"]

@@ -11,7 +11,7 @@ A query turns the records of one sample into a privatized aggregate in five step
 
 ``accumulate_records`` hands a whole batch to the Rust core in one call per group: per-record
 Python calls were what made older libraries slow. ``event`` is the privacy-tuple event of
-:mod:`dpcore.queries.events`, which the ledger records (§6).
+:mod:`dpcore.events`, which the ledger records (§6).
 
 Sample states hold float64 sums and are never modified in place by the queries: every call
 returns a new state, so a state can be merged or reused safely.

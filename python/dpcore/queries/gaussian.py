@@ -14,7 +14,7 @@ import numpy as np
 
 from ..mechanism import _unpack, clip_sum
 from .base import DPQuery, SumState, nonnegative, positive
-from .events import NonPrivateQueryEvent, SumQueryEvent
+from ..events import NonPrivateQueryEvent, SumQueryEvent
 
 __all__ = [
     "ReleasePlan",

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .base import DPQuery
-from .events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent
+from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent
 
 __all__ = ["MicrobatchQuery", "scale_sensitivity"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 from .base import DPQuery, derive_seed
-from .events import ComposedQueryEvent
+from ..events import ComposedQueryEvent
 
 __all__ = ["NestedQuery"]
 

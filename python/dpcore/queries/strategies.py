@@ -23,7 +23,7 @@ import numbers
 import operator
 from typing import Any, List, Sequence
 
-from .events import effective_noise_multiplier
+from ..events import effective_noise_multiplier
 
 __all__ = [
     "flat_clip_norm",

@@ -1,0 +1,372 @@
+"""The event vocabulary of dpcore: what a run released, for the ledger and the accountants.
+
+This module is the bottom layer of the package: it imports nothing from dpcore, so that queries,
+ledger and accountants can all depend on it without depending on each other. It holds two kinds
+of events.
+
+**Sum-query events** (McMahan et al. 2018, "A General Approach to Adding Differential Privacy to
+Iterative Training Procedures", §2 and §6). A Gaussian sum query over one group of vectors is
+fully described, for privacy, by its privacy tuple (S_g, σ̃_g): the L2 bound of one record's
+contribution to the sum and the stddev of the noise added to the sum (§1 and §2 of the paper).
+The queries return these events from ``get_noised_result`` (:class:`SumQueryEvent`,
+:class:`ComposedQueryEvent`, :class:`NonPrivateQueryEvent`); the ledger stores them and converts
+each sample's tuples into one Gaussian event with noise multiplier
+z = (Σ_g (S_g/σ̃_g)²)^(−1/2), Eq. (1) (:func:`effective_noise_multiplier`).
+
+**Accountant events** (:class:`Event` and its subclasses). The vocabulary mirrors Google's
+``dp_accounting`` (``GaussianDpEvent``, ``PoissonSampledDpEvent``, ...) so that ledgers
+translate one to one (see :mod:`dpcore.accounting.interop`). They describe a whole run in terms
+an accountant can analyse: Gaussian steps, the sampling that amplifies them, and composition.
+They are hashable (the accountant groups identical events by hash) and round-trip through JSON
+with :meth:`Event.to_dict` / :func:`event_from_dict`.
+
+Both kinds are frozen dataclasses, validated on construction, so that nothing a query or a
+caller does later can change what was recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Iterable, Tuple, Type
+
+__all__ = [
+    # sum-query events (McMahan et al. 2018, §6)
+    "SumQueryEvent",
+    "NonPrivateQueryEvent",
+    "ComposedQueryEvent",
+    "QueryEvent",
+    "compose_query_events",
+    "effective_noise_multiplier",
+    # accountant events (dp_accounting's vocabulary)
+    "Event",
+    "GaussianEvent",
+    "PoissonSampledEvent",
+    "SampledWithoutReplacementEvent",
+    "TruncatedPoissonSampledEvent",
+    "SelfComposedEvent",
+    "ComposedEvent",
+    "NonPrivateEvent",
+    "event_from_dict",
+]
+
+
+# ============================================================================= sum-query events
+
+
+def _finite(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class SumQueryEvent:
+    """One Gaussian sum query with privacy tuple (S_g, σ̃_g) (McMahan et al. 2018, §2, §6).
+
+    ``l2_norm_clip`` is S_g, the L2 bound of one record's contribution (its sensitivity under
+    add-or-remove-one neighbouring); ``stddev`` is σ̃_g, the stddev of the noise added to the sum
+    (before any division by a denominator). ``stddev == 0`` is a release without privacy.
+    """
+
+    l2_norm_clip: float
+    stddev: float
+
+    def __post_init__(self) -> None:
+        s = _finite("l2_norm_clip", self.l2_norm_clip)
+        sd = _finite("stddev", self.stddev)
+        if s <= 0:
+            raise ValueError(f"l2_norm_clip must be > 0, got {s}")
+        if sd < 0:
+            raise ValueError(f"stddev must be >= 0, got {sd}")
+        object.__setattr__(self, "l2_norm_clip", s)
+        object.__setattr__(self, "stddev", sd)
+
+    def privacy_tuples(self) -> Tuple["SumQueryEvent", ...]:
+        return (self,)
+
+    @property
+    def is_private(self) -> bool:
+        return self.stddev > 0
+
+
+@dataclass(frozen=True)
+class NonPrivateQueryEvent:
+    """A release with no privacy guarantee (e.g. :class:`NoPrivacyQuery`): ε = ∞."""
+
+    def privacy_tuples(self) -> Tuple[SumQueryEvent, ...]:
+        return ()
+
+    @property
+    def is_private(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class ComposedQueryEvent:
+    """Several queries released on the same sample (e.g. the groups of a :class:`NestedQuery`).
+
+    For accounting they are one Gaussian sum query with the noise multiplier of Eq. (1).
+    """
+
+    events: Tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        evs = tuple(self.events)
+        for e in evs:
+            if not isinstance(e, (SumQueryEvent, NonPrivateQueryEvent, ComposedQueryEvent)):
+                raise TypeError(f"ComposedQueryEvent holds query events, got {type(e).__name__}")
+        object.__setattr__(self, "events", evs)
+
+    def privacy_tuples(self) -> Tuple[SumQueryEvent, ...]:
+        return tuple(t for e in self.events for t in e.privacy_tuples())
+
+    @property
+    def is_private(self) -> bool:
+        return all(e.is_private for e in self.events)
+
+
+QueryEvent = Any  # SumQueryEvent | NonPrivateQueryEvent | ComposedQueryEvent
+
+
+def compose_query_events(events: Iterable[QueryEvent]) -> QueryEvent:
+    """The composition of query events released on one sample; a single event is returned as is."""
+    evs = tuple(events)
+    return evs[0] if len(evs) == 1 else ComposedQueryEvent(evs)
+
+
+def effective_noise_multiplier(privacy_tuples: Iterable[Any]) -> float:
+    """z = (Σ_g (S_g/σ̃_g)²)^(−1/2): McMahan et al. 2018, Eq. (1) and §4.
+
+    The groups' sum queries on one sample are together equivalent to a single Gaussian sum query
+    with L2 bound S* = sqrt(Σ_g (S_g/σ̃_g)²) and noise stddev 1, i.e. noise multiplier z = 1/S*.
+    ``privacy_tuples`` holds :class:`SumQueryEvent` objects or (S_g, σ̃_g) pairs. A group with
+    σ̃_g = 0 makes the release non-private: z = 0. An empty collection is rejected (it has no
+    meaning as a release).
+
+    Rounded to the safe side: the returned z never exceeds the exact value (computed with scaled
+    sums so that neither tiny nor huge ratios overflow).
+    """
+    ratios = []
+    for t in privacy_tuples:
+        if not isinstance(t, SumQueryEvent):
+            try:
+                s, sd = t
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"privacy_tuples must hold SumQueryEvent or (l2_norm_clip, stddev) pairs, got {t!r}"
+                ) from None
+            t = SumQueryEvent(s, sd)
+        if t.stddev == 0:
+            return 0.0
+        ratios.append(t.l2_norm_clip / t.stddev)
+    if not ratios:
+        raise ValueError("privacy_tuples is empty: there is no query to account")
+    m = max(ratios)
+    if math.isinf(m):
+        return 0.0
+    if m == 0.0:
+        # Every S_g/σ̃_g underflowed: the true z exceeds 1/5e-324, so the largest float is
+        # still below it (never overstated).
+        return sys.float_info.max
+    s_star = m * math.sqrt(math.fsum((r / m) ** 2 for r in ratios))
+    z = 1.0 / s_star
+    # fsum/sqrt/divide carry a few ulps of error; step down so that z is never overstated
+    # (a larger z would understate ε).
+    for _ in range(4):
+        z = math.nextafter(z, 0.0)
+    return z
+
+
+# ============================================================================= accountant events
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+_REGISTRY: Dict[str, Type["Event"]] = {}
+
+
+class Event:
+    """Base class of all events."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        _REGISTRY[cls.__name__] = cls
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-serialisable dict; :func:`event_from_dict` inverts it."""
+        out: Dict[str, Any] = {"type": type(self).__name__}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, Event):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = [e.to_dict() for e in v]
+            out[f.name] = v
+        return out
+
+    @staticmethod
+    def from_dict(d: Dict[str, Any]) -> "Event":
+        return event_from_dict(d)
+
+
+def event_from_dict(d: Dict[str, Any]) -> Event:
+    """Rebuilds an event from :meth:`Event.to_dict`'s output (e.g. after ``json.loads``)."""
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError("expected a dict with a 'type' key, as produced by Event.to_dict()")
+    cls = _REGISTRY.get(d["type"])
+    if cls is None:
+        raise ValueError(f"unknown event type {d['type']!r}")
+    kw = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in d:
+            raise ValueError(f"{d['type']}: missing field {f.name!r}")
+        v = d[f.name]
+        if f.name == "event":
+            v = event_from_dict(v)
+        elif f.name == "events":
+            v = tuple(event_from_dict(e) for e in v)
+        kw[f.name] = v
+    return cls(**kw)
+
+
+@dataclass(frozen=True)
+class GaussianEvent(Event):
+    """The Gaussian mechanism with noise standard deviation ``noise_multiplier`` × sensitivity."""
+
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        z = _real("noise_multiplier", self.noise_multiplier)
+        if not z >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+        object.__setattr__(self, "noise_multiplier", z)
+
+
+@dataclass(frozen=True)
+class PoissonSampledEvent(Event):
+    """``event`` run on a Poisson sample: each record included independently with probability
+    ``sampling_probability`` (add-or-remove-one adjacency)."""
+
+    sampling_probability: float
+    event: Event
+
+    def __post_init__(self) -> None:
+        q = _real("sampling_probability", self.sampling_probability)
+        if not 0 <= q <= 1:
+            raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
+        if not isinstance(self.event, Event):
+            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
+        object.__setattr__(self, "sampling_probability", q)
+
+
+@dataclass(frozen=True)
+class SampledWithoutReplacementEvent(Event):
+    """``event`` run on ``sample_size`` records drawn uniformly without replacement from
+    ``source_size`` (replace-one adjacency: the data set size is public)."""
+
+    source_size: int
+    sample_size: int
+    event: Event
+
+    def __post_init__(self) -> None:
+        n = _int("source_size", self.source_size)
+        m = _int("sample_size", self.sample_size)
+        if n < 1:
+            raise ValueError(f"source_size must be >= 1, got {n}")
+        if not 0 <= m <= n:
+            raise ValueError(f"sample_size must be in [0, source_size={n}], got {m}")
+        if not isinstance(self.event, Event):
+            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
+        object.__setattr__(self, "source_size", n)
+        object.__setattr__(self, "sample_size", m)
+
+
+@dataclass(frozen=True)
+class TruncatedPoissonSampledEvent(Event):
+    """``event`` run on a Poisson sample that is capped at ``max_sample_size`` records.
+
+    Each of ``population_size`` records is included independently with probability
+    ``sampling_probability``; when more than ``max_sample_size`` are drawn, a uniformly random
+    subset of ``max_sample_size`` of them is kept. The cap bounds the batch (and so the memory)
+    of a step. This is the idea of ``dp_accounting``'s ``TruncatedSubsampledGaussianDpEvent``
+    (dataset_size, sampling_probability, truncated_batch_size, noise_multiplier; see
+    arXiv:2508.15089), with the mechanism run on the sample kept as an inner ``event`` as in
+    :class:`PoissonSampledEvent`. The population size is part of the event because the
+    probability of hitting the cap depends on it.
+    """
+
+    sampling_probability: float
+    max_sample_size: int
+    population_size: int
+    event: Event
+
+    def __post_init__(self) -> None:
+        q = _real("sampling_probability", self.sampling_probability)
+        if not 0 <= q <= 1:
+            raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
+        b = _int("max_sample_size", self.max_sample_size)
+        n = _int("population_size", self.population_size)
+        if b < 1:
+            raise ValueError(f"max_sample_size must be >= 1, got {b}")
+        if n < 1:
+            raise ValueError(f"population_size must be >= 1, got {n}")
+        if b > n:
+            raise ValueError(f"max_sample_size must be <= population_size={n}, got {b}")
+        if not isinstance(self.event, Event):
+            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
+        object.__setattr__(self, "sampling_probability", q)
+        object.__setattr__(self, "max_sample_size", b)
+        object.__setattr__(self, "population_size", n)
+
+
+@dataclass(frozen=True)
+class SelfComposedEvent(Event):
+    """``event`` repeated ``count`` times."""
+
+    event: Event
+    count: int
+
+    def __post_init__(self) -> None:
+        c = _int("count", self.count)
+        if c < 0:
+            raise ValueError(f"count must be >= 0, got {c}")
+        if not isinstance(self.event, Event):
+            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
+        object.__setattr__(self, "count", c)
+
+
+@dataclass(frozen=True)
+class ComposedEvent(Event):
+    """The events in sequence (any iterable is stored as a tuple)."""
+
+    events: Tuple[Event, ...]
+
+    def __post_init__(self) -> None:
+        evs = tuple(self.events) if isinstance(self.events, Iterable) else None
+        if evs is None:
+            raise TypeError("events must be an iterable of Event")
+        for e in evs:
+            if not isinstance(e, Event):
+                raise TypeError(f"events must hold Event instances, got {type(e).__name__}")
+        object.__setattr__(self, "events", evs)
+
+
+@dataclass(frozen=True)
+class NonPrivateEvent(Event):
+    """Data were released without a privacy guarantee: ε becomes infinite."""

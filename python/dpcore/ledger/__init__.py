@@ -1,0 +1,324 @@
+"""The privacy ledger: McMahan et al. 2018, §6.
+
+The ledger records what the mechanism did, and nothing else: *sampling events* (a sample was
+drawn from a population of n records with probability q, by the policy actually used) and, under
+each sample, the *sum-query events* released on it with their privacy tuples (S_g, σ̃_g). An
+accountant processes it afterwards (:meth:`PrivacyLedger.get_epsilon`), first turning each sample
+and its sum queries into one Gaussian sum query with noise multiplier
+z = (Σ_g (S_g/σ̃_g)²)^(−1/2) (Eq. (1)). Bugs in hyperparameter code cannot change the estimate,
+and the ledger can be reprocessed when a tighter accountant appears.
+
+File format: JSON lines, UTF-8, append-only. Line 1 is the header
+``{"format": "dpcore-privacy-ledger", "version": 1}``; then entries::
+
+    {"type": "sample", "sample": 0, "population_size": 60000, "sampling_probability": 0.01,
+     "policy": "poisson", "sample_size": null, "seeded": false}
+    {"type": "sum_query", "sample": 0, "l2_norm_clip": 1.0, "stddev": 1.1}
+    {"type": "non_private", "sample": 0}
+    {"type": "torn_tail_repaired", "line": 7, "fragment": "{\\"type\\": \\"sum_q"}
+
+Durability: a sample's entries are written with one ``write`` and ``fsync``-ed before
+:meth:`PrivacyLedger.record_release` returns, and callers return a noised result only after
+that (see :class:`dpcore.PrivateAggregator`). A crash can therefore only tear the entries of a
+step whose result was never returned. Loading reports a torn last line with a warning (or an
+error with ``strict=True``), never silently; any other unreadable line is an error naming it.
+
+Every value is validated before anything is written; on bad input nothing is written.
+
+Layout: :mod:`._storage` holds the file format and durable appends, :mod:`._events` the
+conversion of samples into accountant events; :class:`PrivacyLedger` joins them.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, List, Optional, Tuple
+
+from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_accountant
+from ..events import SelfComposedEvent
+from ._events import check_neighboring, rdp_relation_error, samples_to_event
+from ._storage import (
+    FIXED_SIZE,
+    FORMAT,
+    POISSON,
+    POLICIES,
+    SHUFFLE,
+    VERSION,
+    LedgerError,
+    LedgerFile,
+    LedgerSample,
+    LedgerWarning,
+    TornTail,
+    _release_entries,
+    _replace,
+    _sample_entry,
+    _tuples_of,
+    read_ledger,
+)
+
+__all__ = [
+    "PrivacyLedger",
+    "LedgerSample",
+    "LedgerError",
+    "LedgerWarning",
+    "TornTail",
+    "FORMAT",
+    "VERSION",
+    "POLICIES",
+    "POISSON",
+    "FIXED_SIZE",
+    "SHUFFLE",
+]
+
+
+class PrivacyLedger:
+    """An append-only, crash-safe record of sampling and sum-query events (McMahan et al. 2018, §6).
+
+    ``PrivacyLedger(path)`` opens ``path`` for appending, creating it with a header if it does
+    not exist, and reads back what is already there (an existing ledger is continued; a corrupted
+    one raises :class:`LedgerError`). Only one process may hold a ledger open for writing.
+    :meth:`load` opens one read-only.
+
+    Typical use is through :class:`dpcore.PrivateAggregator`; by hand::
+
+        sid = ledger.record_sample(n, q, "poisson")   # or poisson_sample(n, q, ledger=ledger)
+        ...                                            # accumulate, get_noised_result -> event
+        ledger.record_release(event)                   # durable on return
+        return result                                  # only now
+    """
+
+    def __init__(self, path: "os.PathLike[str] | str") -> None:
+        self._path = os.fspath(path)
+        if not isinstance(self._path, str):
+            raise TypeError("path must be a str or os.PathLike[str]")
+        self._file: Optional[LedgerFile] = None
+        self._read_only: Optional[str] = None
+        self._pending: Optional[LedgerSample] = None
+        # Whether the last sample was recorded by this object: a release never attaches to a
+        # sample from an earlier run of the ledger.
+        self._current = False
+        self._file = LedgerFile(self._path, stacklevel=3)
+        contents = self._file.contents
+        self._samples = contents.samples
+        self.torn_tail: Optional[TornTail] = contents.torn
+        self._lines = contents.lines
+
+    @classmethod
+    def load(cls, path: "os.PathLike[str] | str", *, strict: bool = False) -> "PrivacyLedger":
+        """Reads a ledger without opening it for writing.
+
+        A corrupted line raises :class:`LedgerError` naming the file and line. A torn last line
+        is reported with a :class:`LedgerWarning` (a :class:`LedgerError` with ``strict=True``)
+        and kept in :attr:`torn_tail`; it is counted when it is a complete entry.
+        """
+        p = os.fspath(path)
+        contents = read_ledger(p, strict=strict)
+        self = cls.__new__(cls)
+        self._path, self._file, self._pending = p, None, None
+        self._read_only = "opened read-only with load()"
+        self._current = False
+        self._samples, self.torn_tail, self._lines = contents.samples, contents.torn, contents.lines
+        return self
+
+    # -- writing ------------------------------------------------------------------------
+
+    def _writable(self) -> LedgerFile:
+        f = self._file
+        if f is None or f.closed:
+            why = self._read_only or (f.broken if f is not None else None) or "closed"
+            raise LedgerError(f"{self._path}: ledger is not open for writing ({why})")
+        return f
+
+    def record_sample(
+        self,
+        population_size: int,
+        sampling_probability: Optional[float] = None,
+        policy: str = POISSON,
+        *,
+        sample_size: Optional[int] = None,
+        seeded: bool = False,
+    ) -> int:
+        """Records that a sample was drawn (§5, §6); returns its id.
+
+        ``policy`` is the policy actually used: ``"poisson"`` (each record independently with
+        probability q), ``"fixed_size_without_replacement"`` (``sample_size`` = b records uniformly,
+        q = b/n) or ``"shuffle"`` (batches of a shuffled epoch: never amplified by sampling).
+        ``seeded``: the sample came from a test seed. The entry is written together with the
+        sample's first release (a sample nothing was released from costs no privacy).
+        """
+        self._writable()
+        sid = len(self._samples)
+        self._pending = _sample_entry(sid, population_size, sampling_probability, policy, sample_size, seeded)
+        return sid
+
+    def record_release(self, event: Any) -> None:
+        """Records the sum queries of ``event`` under the current sample, durably.
+
+        ``event`` is what a query's ``get_noised_result`` returned. The entries are validated,
+        written with one ``write`` and fsynced before this returns; return the noised result only
+        afterwards. On any error nothing is written.
+        """
+        f = self._writable()
+        tuples, non_private = _tuples_of(event)
+        if self._pending is not None:
+            sample = self._pending
+        elif self._current:
+            sample = self._samples[-1]  # a further release on this session's current sample
+        else:
+            raise LedgerError(
+                f"{self._path}: no sample recorded: call record_sample (or draw with a sampler given ledger=) first"
+            )
+        entries = _release_entries(sample, tuples, non_private, with_sample=self._pending is not None)
+        f.write(entries)
+        updated = _replace(sample, queries=sample.queries + tuple(tuples), non_private=sample.non_private or non_private)
+        if self._pending is not None:
+            self._samples.append(updated)
+            self._pending = None
+            self._current = True
+        else:
+            self._samples[-1] = updated
+        self._lines += len(entries)
+
+    def close(self) -> None:
+        """Releases the file (all entries are already durable)."""
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> "PrivacyLedger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- reading and accounting -----------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def samples(self) -> Tuple[LedgerSample, ...]:
+        """The recorded samples with their releases, in order (the pending sample excluded)."""
+        return tuple(self._samples)
+
+    @property
+    def num_releases(self) -> int:
+        """Samples from which something was released (the steps that cost privacy)."""
+        return sum(1 for s in self._samples if s.released)
+
+    def __repr__(self) -> str:
+        return f"PrivacyLedger({self._path!r}, samples={len(self._samples)})"
+
+    def to_event(self, neighboring: str = "add_or_remove") -> Any:
+        """The whole ledger as one accountant event (``dpcore.accounting``), McMahan et al. §6.
+
+        Each sample with releases becomes one Gaussian event whose noise multiplier comes from
+        Eq. (1) over its sum queries, wrapped by its sampling policy: Poisson →
+        ``PoissonSampledEvent(q, ·)``; fixed size → ``SampledWithoutReplacementEvent(n, b, ·)``;
+        shuffle → the bare ``GaussianEvent`` (no amplification: a shuffled epoch is not a random
+        sample and has no tight analysis, §5), with a :class:`LedgerWarning`. A sample with a
+        non-private release becomes ``NonPrivateEvent`` (ε = ∞). Runs of equal events are
+        composed with ``SelfComposedEvent``.
+
+        ``neighboring`` fixes what the noise multiplier is relative to. The recorded S_g bound one
+        record's contribution, which is the sensitivity under ``"add_or_remove"``: z = 1/S*
+        (Eq. (1)). Replacing a record moves each group's sum by up to 2·S_g, so under
+        ``"replace_one"`` z = 1/(2·S*) (exact: a halving). For microbatches recorded with the
+        doubled bound 2C this double-counts under replace-one (the survey's footnote 27 gives 2C
+        there too): the ε is then an upper bound, not tight.
+        """
+        return samples_to_event(self._samples, self._path, neighboring)
+
+    def get_epsilon(
+        self,
+        delta: float,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        *,
+        neighboring: str = "add_or_remove",
+        orders: Any = None,
+    ) -> float:
+        """ε such that everything released under this ledger is (ε, δ)-DP (an upper bound).
+
+        ``accountant="pld"`` (the default): :class:`dpcore.accounting.PldAccountant` over
+        :meth:`to_event`, the tightest bound. When the ledger holds an event the PLD accountant
+        cannot analyse (fixed-size samples without replacement), the *whole* ledger is accounted
+        with RDP instead, with a :class:`LedgerWarning`: one ε always comes from one analysis.
+
+        ``accountant="rdp"``: :class:`dpcore.accounting.RdpAccountant` (``orders`` is its grid of
+        Rényi orders, and is accepted with RDP only). The RDP analyses exist for Poisson samples
+        under ``neighboring="add_or_remove"`` and for fixed-size samples without replacement
+        under ``"replace_one"``; a ledger is accounted under one relation, so it must not mix
+        those two policies.
+        """
+        return self._accountant(accountant, neighboring, orders).get_epsilon(delta)
+
+    def get_delta(
+        self,
+        epsilon: float,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        *,
+        neighboring: str = "add_or_remove",
+        orders: Any = None,
+    ) -> float:
+        """δ such that everything released under this ledger is (ε, δ)-DP (an upper bound).
+
+        The accountant is chosen as in :meth:`get_epsilon`, with the same whole-ledger fallback
+        from PLD to RDP.
+        """
+        return self._accountant(accountant, neighboring, orders).get_delta(epsilon)
+
+    def _accountant(self, accountant: str, neighboring: str, orders: Any) -> Any:
+        """An accountant of the requested kind holding the whole ledger (or RDP, see
+        :meth:`get_epsilon`). Warnings are attributed to the caller of get_epsilon/get_delta."""
+        check_accountant(accountant)
+        check_neighboring(neighboring)
+        if orders is not None and accountant != "rdp":
+            raise ValueError(f"orders are Rényi orders, for accountant='rdp' only (got accountant={accountant!r})")
+        event = None
+        if accountant == "pld":
+            event = samples_to_event(self._samples, self._path, neighboring, stacklevel=4)
+            acct = make_accountant("pld", neighboring)
+            if acct.supports(event):
+                acct.compose(event)
+                return acct
+            # Not PLD for the part it supports plus RDP for the rest: joining two (ε, δ) from
+            # different analyses needs a split of δ and basic composition, looser than either
+            # analysis and easy to get wrong. One analysis of everything is what ε then means.
+            kinds = _unsupported_kinds(acct, event)
+            warnings.warn(
+                f"{self._path}: the ledger holds "
+                + (f"{', '.join(kinds)} events" if kinds else "events")
+                + f" (neighboring={neighboring!r}), which cannot be analysed by the PLD accountant; "
+                "the whole ledger is accounted with RDP instead",
+                LedgerWarning,
+                stacklevel=3,
+            )
+        why = rdp_relation_error(self._samples, self._path, neighboring)
+        if why is not None:
+            raise ValueError(why)
+        if event is None:
+            # Built after the relation check, so a refused ledger raises before any warning.
+            event = samples_to_event(self._samples, self._path, neighboring, stacklevel=4)
+        acct = make_accountant("rdp", neighboring, orders=orders)
+        acct.compose(event)
+        return acct
+
+
+def _unsupported_kinds(acct: Any, event: Any) -> List[str]:
+    """Names of the ledger's top-level event kinds that ``acct`` cannot analyse, for messages."""
+    kinds: List[str] = []
+    for part in getattr(event, "events", ()):
+        if acct.supports(part):
+            continue
+        inner = part.event if isinstance(part, SelfComposedEvent) else part
+        name = type(inner).__name__
+        if name not in kinds:
+            kinds.append(name)
+    return kinds

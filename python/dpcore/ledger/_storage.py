@@ -1,0 +1,474 @@
+"""The ledger file: format, validation, parsing, torn-tail handling and durable appends.
+
+This implements the file format and the durability rules described in :mod:`dpcore.ledger`.
+Nothing here knows about accountants; :mod:`._events` turns what is read into accountant events.
+Every value is validated before anything is written; on bad input nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier
+
+FORMAT = "dpcore-privacy-ledger"
+VERSION = 1
+POISSON = "poisson"
+FIXED_SIZE = "fixed_size_without_replacement"
+SHUFFLE = "shuffle"
+POLICIES = (POISSON, FIXED_SIZE, SHUFFLE)
+
+try:  # advisory lock so that two processes never append to one ledger
+    import fcntl as _fcntl
+except ImportError:  # pragma: no cover - non-POSIX
+    _fcntl = None  # type: ignore[assignment]
+
+
+class LedgerError(ValueError):
+    """A ledger file that cannot be read or written as a ledger (names the file and line)."""
+
+
+class LedgerWarning(UserWarning):
+    """Something the accountant's user must know: a torn last line, a shuffled policy, a seed."""
+
+
+@dataclass(frozen=True)
+class TornTail:
+    """An incomplete last line (no newline) left by a process that stopped mid-write."""
+
+    line: int
+    fragment: str
+    #: True when the fragment is a complete, valid entry that only lacks its newline; such an
+    #: entry is counted (over-counting is safe).
+    counted: bool
+
+
+@dataclass(frozen=True)
+class LedgerSample:
+    """One sampling event and the sum queries released on it."""
+
+    sample: int
+    population_size: int
+    sampling_probability: float
+    policy: str
+    sample_size: Optional[int] = None
+    seeded: bool = False
+    queries: Tuple[SumQueryEvent, ...] = ()
+    non_private: bool = False
+
+    @property
+    def released(self) -> bool:
+        return bool(self.queries) or self.non_private
+
+    def noise_multiplier(self) -> float:
+        """z of the sample's sum queries together, Eq. (1); 0 when any release is non-private."""
+        if self.non_private:
+            return 0.0
+        return effective_noise_multiplier(self.queries)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _int(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < lo or v >= 1 << 63:
+        raise ValueError(f"{name} must be >= {lo} (and < 2**63), got {v}")
+    return v
+
+
+def _prob(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"sampling_probability must be a real number, got {type(v).__name__}")
+    v = float(v)
+    if not 0.0 <= v <= 1.0:  # also rejects NaN
+        raise ValueError(f"sampling_probability must be in [0, 1], got {v}")
+    return v
+
+
+def _sample_entry(
+    sample: int,
+    population_size: Any,
+    sampling_probability: Any,
+    policy: Any,
+    sample_size: Any,
+    seeded: Any,
+) -> LedgerSample:
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a str, got {type(policy).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if not isinstance(seeded, bool):
+        raise TypeError(f"seeded must be a bool, got {type(seeded).__name__}")
+    n = _int("population_size", population_size, 1)
+    b = None if sample_size is None else _int("sample_size", sample_size, 0)
+    if b is not None and b > n:
+        raise ValueError(f"sample_size must be <= population_size {n}, got {b}")
+    if policy == FIXED_SIZE:
+        if b is None:
+            raise ValueError("policy fixed_size_without_replacement needs sample_size")
+        q = b / n
+        if sampling_probability is not None and _prob(sampling_probability) != q:
+            raise ValueError(
+                f"sampling_probability {sampling_probability} differs from sample_size/population_size = {q}"
+            )
+    else:
+        if sampling_probability is None:
+            if b is None:
+                raise ValueError(f"policy {policy} needs sampling_probability")
+            q = b / n
+        else:
+            q = _prob(sampling_probability)
+    return LedgerSample(sample, n, q, policy, b, seeded)
+
+
+def _tuples_of(event: Any) -> Tuple[List[SumQueryEvent], bool]:
+    """The (re-validated) privacy tuples of a query event, and whether any part is non-private."""
+    tuples: List[SumQueryEvent] = []
+    non_private = False
+
+    def walk(e: Any, depth: int) -> None:
+        nonlocal non_private
+        if depth > 1000:
+            raise ValueError("event nests too deeply")
+        if isinstance(e, SumQueryEvent):
+            # Rebuilt so that an event mutated behind the frozen dataclass is checked again.
+            tuples.append(SumQueryEvent(e.l2_norm_clip, e.stddev))
+        elif isinstance(e, NonPrivateQueryEvent):
+            non_private = True
+        elif isinstance(e, ComposedQueryEvent):
+            for x in e.events:
+                walk(x, depth + 1)
+        else:
+            raise TypeError(
+                "event must be a query event (SumQueryEvent, ComposedQueryEvent or NonPrivateQueryEvent), "
+                f"got {type(e).__name__}"
+            )
+
+    walk(event, 0)
+    if not tuples and not non_private:
+        raise ValueError("event holds no sum query: nothing to record")
+    return tuples, non_private
+
+
+def _release_entries(
+    sample: LedgerSample, tuples: List[SumQueryEvent], non_private: bool, *, with_sample: bool
+) -> List[Dict[str, Any]]:
+    """The entries recording one release on ``sample`` (preceded by the sample's own entry on
+    its first release)."""
+    entries: List[Dict[str, Any]] = []
+    if with_sample:
+        entries.append(
+            {
+                "type": "sample",
+                "sample": sample.sample,
+                "population_size": sample.population_size,
+                "sampling_probability": sample.sampling_probability,
+                "policy": sample.policy,
+                "sample_size": sample.sample_size,
+                "seeded": sample.seeded,
+            }
+        )
+    for t in tuples:
+        entries.append({"type": "sum_query", "sample": sample.sample, "l2_norm_clip": t.l2_norm_clip, "stddev": t.stddev})
+    if non_private:
+        entries.append({"type": "non_private", "sample": sample.sample})
+    return entries
+
+
+def _dumps(entry: Dict[str, Any]) -> str:
+    return json.dumps(entry, allow_nan=False, ensure_ascii=True, separators=(", ", ": ")) + "\n"
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid ledger value")
+
+
+def _parse_line(raw: bytes, lineno: int, path: str) -> Dict[str, Any]:
+    def bad(why: str) -> LedgerError:
+        return LedgerError(f"{path}, line {lineno}: corrupted ledger entry ({why}): {raw[:200]!r}")
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("not UTF-8") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise bad(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad("not a JSON object")
+    return obj
+
+
+def _expect_keys(obj: Dict[str, Any], keys: Tuple[str, ...], lineno: int, path: str) -> None:
+    if set(obj) != set(keys):
+        missing = sorted(set(keys) - set(obj))
+        extra = sorted(set(obj) - set(keys))
+        raise LedgerError(
+            f"{path}, line {lineno}: corrupted {obj.get('type')!r} entry (missing keys {missing}, unexpected {extra})"
+        )
+
+
+@dataclass
+class _Contents:
+    samples: List[LedgerSample] = field(default_factory=list)
+    torn: Optional[TornTail] = None
+    lines: int = 0
+    valid_bytes: int = 0  # bytes up to the end of the last complete line
+    has_header: bool = False
+
+
+_SAMPLE_KEYS = ("type", "sample", "population_size", "sampling_probability", "policy", "sample_size", "seeded")
+
+
+def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
+    """Adds one parsed entry to ``c``, checking it thoroughly."""
+    if lineno == 1:
+        if obj.get("format") != FORMAT:
+            raise LedgerError(f"{path}, line 1: not a dpcore privacy ledger (header {obj!r})")
+        if obj.get("version") != VERSION:
+            raise LedgerError(
+                f"{path}, line 1: ledger format version {obj.get('version')!r} is not supported (this dpcore reads {VERSION})"
+            )
+        _expect_keys(obj, ("format", "version"), 1, path)
+        c.has_header = True
+        return
+    kind = obj.get("type")
+    try:
+        if kind == "sample":
+            _expect_keys(obj, _SAMPLE_KEYS, lineno, path)
+            sid = _int("sample", obj["sample"], 0)
+            if sid != len(c.samples):
+                raise ValueError(f"sample id {sid} out of sequence (expected {len(c.samples)})")
+            s = _sample_entry(
+                sid, obj["population_size"], obj["sampling_probability"], obj["policy"], obj["sample_size"], obj["seeded"]
+            )
+            c.samples.append(s)
+        elif kind in ("sum_query", "non_private"):
+            keys = ("type", "sample", "l2_norm_clip", "stddev") if kind == "sum_query" else ("type", "sample")
+            _expect_keys(obj, keys, lineno, path)
+            sid = _int("sample", obj["sample"], 0)
+            if not c.samples or sid != c.samples[-1].sample:
+                raise ValueError(f"refers to sample {sid}, which is not the current sample")
+            last = c.samples[-1]
+            if kind == "sum_query":
+                for k in ("l2_norm_clip", "stddev"):
+                    if isinstance(obj[k], bool) or not isinstance(obj[k], (int, float)):
+                        raise TypeError(f"{k} must be a number")
+                t = SumQueryEvent(obj["l2_norm_clip"], obj["stddev"])
+                c.samples[-1] = _replace(last, queries=last.queries + (t,))
+            else:
+                c.samples[-1] = _replace(last, non_private=True)
+        elif kind == "torn_tail_repaired":
+            _expect_keys(obj, ("type", "line", "fragment"), lineno, path)
+            if not isinstance(obj["fragment"], str):
+                raise TypeError("fragment must be a string")
+            _int("line", obj["line"], 1)
+        else:
+            raise ValueError(f"unknown entry type {kind!r}")
+    except (TypeError, ValueError) as e:
+        if isinstance(e, LedgerError):
+            raise
+        raise LedgerError(f"{path}, line {lineno}: corrupted {kind!r} entry: {e}") from None
+
+
+def _replace(s: LedgerSample, **kw: Any) -> LedgerSample:
+    d = dict(s.__dict__)
+    d.update(kw)
+    return LedgerSample(**d)
+
+
+def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Contents:
+    c = _Contents()
+    if not data:
+        return c
+    parts = data.split(b"\n")
+    complete, tail = parts[:-1], parts[-1]
+    offset = 0
+    for i, raw in enumerate(complete, start=1):
+        _apply(c, _parse_line(raw, i, path), i, path)
+        offset += len(raw) + 1
+        c.lines = i
+        c.valid_bytes = offset
+    if tail:
+        lineno = len(complete) + 1
+        fragment = tail.decode("utf-8", errors="replace")
+        msg = (
+            f"{path}, line {lineno}: torn last line ({len(tail)} bytes without a newline): the writing "
+            f"process stopped mid-write. Its step's result was never returned (entries are fsynced first)"
+        )
+        if strict:
+            raise LedgerError(msg + "; load with strict=False to accept it")
+        counted = False
+        try:
+            obj = _parse_line(tail, lineno, path)
+            trial = _Contents(list(c.samples), None, c.lines, c.valid_bytes, c.has_header)
+            _apply(trial, obj, lineno, path)
+        except LedgerError:
+            pass
+        else:
+            c.samples, counted = trial.samples, True
+            c.has_header = trial.has_header
+        warnings.warn(
+            msg + ("; the fragment is a complete entry and is counted." if counted else "; the fragment is not counted: "
+                   f"{fragment[:120]!r}"),
+            LedgerWarning,
+            stacklevel=stacklevel,
+        )
+        c.torn = TornTail(lineno, fragment, counted)
+    if not c.has_header:
+        raise LedgerError(f"{path}: no ledger header on line 1")
+    return c
+
+
+def read_ledger(path: str, *, strict: bool = False) -> _Contents:
+    """Reads a whole ledger file without opening it for writing (see ``PrivacyLedger.load``)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise LedgerError(f"{path}: empty file, not a ledger (no header)")
+    # _read sits one frame deeper here (PrivacyLedger.load -> read_ledger -> _read); keep the
+    # warning attributed to the same frame as when load called _read itself.
+    return _read(path, data, strict, stacklevel=5)
+
+
+# ----------------------------------------------------------------------------- appending
+
+
+class LedgerFile:
+    """A ledger file held open for appending by this process (under an exclusive lock).
+
+    Opening creates the file with a header if it does not exist, reads back what is already there
+    (:attr:`contents`; a corrupted ledger raises :class:`LedgerError`) and repairs a torn last
+    line before anything is appended after it. :meth:`write` appends durably or not at all.
+
+    ``stacklevel`` is counted as by :func:`warnings.warn` from this constructor, so that the
+    torn-line warnings are attributed to the same frames however deep the opener sits.
+    """
+
+    def __init__(self, path: str, *, stacklevel: int = 2) -> None:
+        self.path = path
+        self._fd: Optional[int] = None
+        #: Why the file can no longer be written, once a failed write could not be undone.
+        self.broken: Optional[str] = None
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if _fcntl is not None:
+                try:
+                    _fcntl.flock(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB)
+                except OSError:
+                    raise LedgerError(f"{path}: the ledger is open for writing in another process") from None
+            data = _read_all(fd)
+            contents = _read(path, data, strict=False, stacklevel=stacklevel + 2) if data else _Contents()
+            self._fd = fd
+            if not data:
+                self.write([{"format": FORMAT, "version": VERSION}])
+                _fsync_dir(path)
+                contents.has_header = True
+                contents.lines = 1
+            elif contents.torn is not None:
+                self._repair(contents, stacklevel + 1)
+        except BaseException:
+            self._fd = None
+            os.close(fd)
+            raise
+        self.contents = contents
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def _repair(self, contents: _Contents, stacklevel: int) -> None:
+        torn = contents.torn
+        assert torn is not None and self._fd is not None
+        if torn.counted:
+            os.write(self._fd, b"\n")  # complete the line: the entry stays counted
+            os.fsync(self._fd)
+            contents.lines = torn.line
+        else:
+            os.ftruncate(self._fd, contents.valid_bytes)
+            os.fsync(self._fd)
+            self.write([{"type": "torn_tail_repaired", "line": torn.line, "fragment": torn.fragment}])
+            contents.lines += 1
+        warnings.warn(
+            f"{self.path}: torn line {torn.line} repaired before appending "
+            + ("(completed; it is counted)" if torn.counted else "(recorded as a torn_tail_repaired entry)"),
+            LedgerWarning,
+            stacklevel=stacklevel,
+        )
+
+    def write(self, entries: List[Dict[str, Any]]) -> None:
+        """Appends entries with one write and fsyncs. On failure the file is cut back to where
+        it was, so a failed write never leaves half an entry in the middle of the ledger."""
+        if self._fd is None:
+            raise LedgerError(f"{self.path}: ledger is closed" if self.broken is None else f"{self.path}: {self.broken}")
+        if self.broken is not None:
+            raise LedgerError(f"{self.path}: ledger unusable: {self.broken}")
+        data = "".join(_dumps(e) for e in entries).encode("utf-8")
+        start = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            os.fsync(self._fd)
+        except BaseException as e:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError as e2:
+                self.broken = f"a failed write could not be undone ({e2}); repair by reopening"
+            else:
+                # The cut is what later writes see; the next successful fsync makes it durable.
+                try:
+                    os.fsync(self._fd)
+                except OSError:
+                    pass
+            raise LedgerError(f"{self.path}: could not write the ledger: {e}") from e
+
+    def close(self) -> None:
+        """Releases the file and its lock (all entries are already durable)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while True:
+        b = os.read(fd, 1 << 20)
+        if not b:
+            break
+        chunks.append(b)
+    return b"".join(chunks)
+
+
+def _fsync_dir(path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)

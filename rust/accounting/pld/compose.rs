@@ -1,0 +1,332 @@
+//! Composition of discrete privacy loss distributions by FFT (Koskela, Jälkö, Honkela 2020,
+//! arXiv:1906.03049, §4): the PLD of a composition is the convolution of the PLDs, and T
+//! identical steps are a T-th power in the frequency domain, so the cost does not grow with T.
+//!
+//! Cyclic convolution wraps mass around. The window kept, [a, b], comes from Chernoff bounds on
+//! the composition's cumulant generating function K(λ) = Σ_s c_s·log Σ_k p_{s,k}·e^{λk}:
+//! the finite mass above b is at most e^{K(λ) − λ(b+1)}, and it is added to the +∞ atom
+//! (pessimistic), so that no mass is lost silently; mass below a wraps upward, which only
+//! makes the result more pessimistic (the optimistic bound subtracts it from δ instead).
+
+use super::DiscretePld;
+use crate::error::{try_filled, DpError, DpResult};
+use rayon::prelude::*;
+use realfft::num_complex::Complex64;
+use realfft::RealFftPlanner;
+
+/// The composition's result: the PLD and how far its finite atoms may be off.
+#[derive(Clone, Debug)]
+pub struct Composed {
+    pub pld: DiscretePld,
+    /// Upper bound on mass that is in the result but not in the exact composition: the finite
+    /// mass below the window that wrapped into it, and the parts' `excess`.
+    pub wrapped_in: f64,
+    /// Bound on the rounding error of the transform, per atom.
+    pub noise_floor: f64,
+}
+
+/// One part of a composition: a PLD repeated `count` times.
+pub struct Part<'a> {
+    pub pld: &'a DiscretePld,
+    pub count: f64,
+}
+
+struct Cgf {
+    /// log of the atoms, relative index (k), and each part's offset.
+    logs: Vec<(Vec<f64>, i64, f64)>,
+}
+
+impl Cgf {
+    fn new(parts: &[Part<'_>]) -> Self {
+        let logs = parts
+            .par_iter()
+            .map(|p| {
+                let l: Vec<f64> = p.pld.probs.iter().map(|&x| if x > 0.0 { x.ln() } else { f64::NEG_INFINITY }).collect();
+                (l, p.pld.offset, p.count)
+            })
+            .collect();
+        Cgf { logs }
+    }
+
+    /// K(λ) in index units: Σ_s c_s·log Σ_k p_{s,k}·e^{λ(offset_s + k)}.
+    fn k(&self, lambda: f64) -> f64 {
+        self.logs
+            .par_iter()
+            .map(|(l, off, c)| {
+                let m = l
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &v)| v + lambda * k as f64)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                if m == f64::NEG_INFINITY {
+                    return f64::NEG_INFINITY;
+                }
+                let s: f64 = l.iter().enumerate().map(|(k, &v)| (v + lambda * k as f64 - m).exp()).sum();
+                c * (m + s.ln() + lambda * *off as f64)
+            })
+            .sum()
+    }
+
+    /// The smallest index b with finite mass above b bounded by ≤ `tau` (upper = true), or the
+    /// largest a with mass below a ≤ `tau` (upper = false), and the bound achieved.
+    fn bound(&self, tau: f64, upper: bool, trivial: f64) -> (f64, f64) {
+        let s = if upper { 1.0 } else { -1.0 };
+        // f(λ) = (K(sλ) − log τ)/λ is unimodal in λ > 0: golden-section search on log λ.
+        let f = |ll: f64| {
+            let lam = ll.exp();
+            (self.k(s * lam) - tau.ln()) / lam
+        };
+        let (mut lo, mut hi) = ((1e-9f64).ln(), (30.0f64).ln());
+        let g = 0.5 * (5f64.sqrt() - 1.0);
+        let mut x1 = hi - g * (hi - lo);
+        let mut x2 = lo + g * (hi - lo);
+        let (mut f1, mut f2) = (f(x1), f(x2));
+        for _ in 0..28 {
+            if f1 <= f2 {
+                hi = x2;
+                x2 = x1;
+                f2 = f1;
+                x1 = hi - g * (hi - lo);
+                f1 = f(x1);
+            } else {
+                lo = x1;
+                x1 = x2;
+                f1 = f2;
+                x2 = lo + g * (hi - lo);
+                f2 = f(x2);
+            }
+        }
+        let (ll, v) = if f1 <= f2 { (x1, f1) } else { (x2, f2) };
+        // The index bound, no further out than the support allows.
+        let idx = if upper { v.ceil().min(trivial) } else { (-v).floor().max(trivial) };
+        let lam = ll.exp();
+        // Mass strictly beyond idx: upper: P(S ≥ idx+1) ≤ e^{K(λ) − λ(idx+1)}.
+        let beyond = if upper { idx + 1.0 } else { idx - 1.0 };
+        let achieved = if (upper && idx >= trivial) || (!upper && idx <= trivial) {
+            0.0
+        } else {
+            (self.k(s * lam) - lam * s * beyond).exp().min(1.0)
+        };
+        (idx, achieved)
+    }
+}
+
+/// The smallest 2^i·3^j ≥ n.
+fn fast_len(n: usize) -> usize {
+    let mut best = n.next_power_of_two();
+    let mut p3 = 1usize;
+    while p3 < best {
+        let mut v = p3;
+        while v < n {
+            v *= 2;
+        }
+        best = best.min(v);
+        p3 *= 3;
+    }
+    best
+}
+
+/// Composes the parts (all on the same grid interval). `tail_hi`: the mass budget above the
+/// window that moves to +∞; `tail_lo`: below the window. `max_bins` caps the window; beyond it
+/// an error tells the caller to coarsen the grid.
+pub fn compose(
+    parts: &[Part<'_>],
+    tail_hi: f64,
+    tail_lo: f64,
+    max_bins: usize,
+    pessimistic: bool,
+) -> DpResult<Composed> {
+    compose_shifted(parts, tail_hi, tail_lo, max_bins, pessimistic, 0)
+}
+
+/// `compose`, with every part placed `jitter` positions further along the cyclic buffer: the
+/// same exact result, rounded differently (tests measure the rounding with it).
+pub(crate) fn compose_shifted(
+    parts: &[Part<'_>],
+    tail_hi: f64,
+    tail_lo: f64,
+    max_bins: usize,
+    pessimistic: bool,
+    jitter: i64,
+) -> DpResult<Composed> {
+    let interval = parts[0].pld.interval;
+    // The +∞ atom: every step must keep its finite part for the composition to stay finite.
+    let log_keep: f64 = parts.iter().map(|p| p.count * (-p.pld.inf_mass).ln_1p()).sum();
+    let mut inf_mass = -log_keep.exp_m1();
+    let cgf = Cgf::new(parts);
+    let (tmin, tmax) = parts.iter().fold((0.0f64, 0.0f64), |(a, b), p| {
+        let lo = p.pld.offset as f64;
+        let hi = (p.pld.offset + p.pld.probs.len() as i64 - 1) as f64;
+        (a + p.count * lo, b + p.count * hi)
+    });
+    let (b, above) = cgf.bound(tail_hi, true, tmax);
+    let (a, below) = cgf.bound(tail_lo, false, tmin);
+    let width = b - a + 1.0;
+    if !(width.is_finite() && width >= 1.0) {
+        return Err(DpError::param("events", "privacy loss distribution could not be bounded"));
+    }
+    if width > max_bins as f64 {
+        return Err(DpError::GridTooLarge { bins: width });
+    }
+    let width = width as usize;
+    let a = a as i64;
+    let m = fast_len(width + 16);
+    let mi = m as i64;
+    let mut planner = RealFftPlanner::<f64>::new();
+    let fwd = planner.plan_fft_forward(m);
+    let inv = planner.plan_fft_inverse(m);
+    let nf = m / 2 + 1;
+    // Each part is centred on its mean (an integer shift) so that the phases raised to the
+    // count stay small where the transform is large.
+    let shifts: Vec<i64> = parts
+        .iter()
+        .map(|p| {
+            let mass: f64 = p.pld.probs.iter().sum();
+            let mean: f64 = p.pld.probs.iter().enumerate().map(|(k, &x)| k as f64 * x).sum::<f64>() / mass.max(f64::MIN_POSITIVE);
+            p.pld.offset + mean.round() as i64 + jitter
+        })
+        .collect();
+    let one = vec![Complex64::new(1.0, 0.0); nf];
+    let spectrum = parts
+        .par_iter()
+        .zip(shifts.par_iter())
+        .try_fold(
+            || one.clone(),
+            |mut acc, (p, &sh)| -> DpResult<Vec<Complex64>> {
+                let mut buf = try_filled(m, 0.0f64)?;
+                for (k, &x) in p.pld.probs.iter().enumerate() {
+                    let pos = (p.pld.offset + k as i64 - sh).rem_euclid(mi) as usize;
+                    buf[pos] += x;
+                }
+                let mut spec = fwd.make_output_vec();
+                fwd.process(&mut buf, &mut spec).map_err(|e| DpError::param("fft", e.to_string()))?;
+                for (a, s) in acc.iter_mut().zip(spec.iter()) {
+                    *a *= power(*s, p.count);
+                }
+                Ok(acc)
+            },
+        )
+        .try_reduce(
+            || one.clone(),
+            |mut x, y| {
+                for (a, b) in x.iter_mut().zip(y.iter()) {
+                    *a *= *b;
+                }
+                Ok(x)
+            },
+        )?;
+    let mut spec = spectrum;
+    // The real transform's DC and Nyquist bins must be real.
+    spec[0].im = 0.0;
+    if m % 2 == 0 {
+        spec[nf - 1].im = 0.0;
+    }
+    let mut out = try_filled(m, 0.0f64)?;
+    inv.process(&mut spec, &mut out).map_err(|e| DpError::param("fft", e.to_string()))?;
+    let scale = 1.0 / m as f64;
+    // Index J of the composition sits at (J − Σ c_s·sh_s) mod M.
+    let total_shift: i128 = parts
+        .iter()
+        .zip(shifts.iter())
+        .map(|(p, &s)| p.count as i128 * s as i128)
+        .sum();
+    let pos = |j: i64| -> usize { ((j as i128 - total_shift).rem_euclid(m as i128)) as usize };
+    let mut probs = try_filled(width, 0.0f64)?;
+    for (i, p) in probs.iter_mut().enumerate() {
+        *p = (out[pos(a + i as i64)] * scale).max(0.0);
+    }
+    // Rounding noise per atom. The transform's own error is O(log₂M·u·‖f‖₂) per atom; raising
+    // a transform to the power c multiplies its relative error by c where |r(ω)| ≈ 1. Measured
+    // against the same composition placed one position further (tests), this bound is above
+    // the observed difference by 10× to 600× from T = 1 to 10⁶.
+    let l2: f64 = probs.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let reps: f64 = parts.iter().map(|p| p.count).sum();
+    let noise_floor = f64::EPSILON * l2 * (reps + 4.0 * (m as f64).log2());
+    // Atoms raised to zero by clamping (pessimistic) or by discretisation (optimistic) are
+    // extra mass; for the optimistic bound it is subtracted from δ with the wrapped tail.
+    let excess: f64 = parts.iter().map(|p| p.count * p.pld.excess).sum::<f64>().exp_m1();
+    // Pessimistic: mass above the window goes to +∞ (its wrapped copy inside the window is
+    // extra mass). Optimistic: it is dropped or wrapped downward, both of which lower δ.
+    if pessimistic {
+        inf_mass = (inf_mass + above * log_keep.exp()).min(1.0);
+    }
+    Ok(Composed {
+        pld: DiscretePld {
+            interval,
+            offset: a,
+            probs,
+            inf_mass,
+            excess: 0.0,
+        },
+        wrapped_in: below + excess,
+        noise_floor,
+    })
+}
+
+/// z^c for a real count c ≥ 0, in polar form.
+fn power(z: Complex64, c: f64) -> Complex64 {
+    if c == 1.0 {
+        return z;
+    }
+    let r = z.norm();
+    if r == 0.0 {
+        return Complex64::new(0.0, 0.0);
+    }
+    let mag = (c * r.ln()).exp();
+    if mag == 0.0 {
+        return Complex64::new(0.0, 0.0);
+    }
+    let th = c * z.im.atan2(z.re);
+    Complex64::from_polar(mag, th)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_len_is_smooth_and_large_enough() {
+        for n in [1usize, 7, 100, 1000, 4097, 100_000] {
+            let m = fast_len(n);
+            assert!(m >= n && m < 2 * n + 2);
+            let mut v = m;
+            while v % 2 == 0 {
+                v /= 2;
+            }
+            while v % 3 == 0 {
+                v /= 3;
+            }
+            assert_eq!(v, 1);
+        }
+    }
+
+    #[test]
+    fn self_composition_matches_direct_convolution() {
+        // Two atoms: binomial distribution after T steps.
+        let p = DiscretePld { interval: 0.1, offset: -1, probs: vec![0.7, 0.0, 0.3], inf_mass: 0.0, excess: 0.0 };
+        let c = compose(&[Part { pld: &p, count: 20.0 }], 1e-30, 1e-30, 1 << 20, true).unwrap();
+        // Index J = −20 + 2·(number of upper atoms).
+        let mut binom = vec![0.0f64; 21];
+        for k in 0..=20usize {
+            let mut lc = 0.0f64;
+            for i in 0..k {
+                lc += ((20 - i) as f64).ln() - ((i + 1) as f64).ln();
+            }
+            binom[k] = (lc + k as f64 * 0.3f64.ln() + (20 - k) as f64 * 0.7f64.ln()).exp();
+        }
+        for k in 0..=20usize {
+            let j = -20 + 2 * k as i64;
+            let idx = (j - c.pld.offset) as usize;
+            assert!((c.pld.probs[idx] - binom[k]).abs() < 1e-14, "{k}");
+        }
+        let total: f64 = c.pld.probs.iter().sum::<f64>() + c.pld.inf_mass;
+        assert!((total - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn infinity_atoms_compose() {
+        let p = DiscretePld { interval: 0.1, offset: 0, probs: vec![0.99], inf_mass: 0.01, excess: 0.0 };
+        let c = compose(&[Part { pld: &p, count: 10.0 }], 1e-30, 1e-30, 1 << 20, true).unwrap();
+        assert!((c.pld.inf_mass - (1.0 - 0.99f64.powi(10))).abs() < 1e-15);
+    }
+}

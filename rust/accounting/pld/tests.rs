@@ -1,0 +1,125 @@
+use super::*;
+
+fn eps(q: f64, s: f64, t: f64, d: f64) -> Bounds {
+    epsilon_bounds(&[Group { q, sigma: s, count: t }], d, &Options::default(), true).unwrap()
+}
+
+#[test]
+fn pessimistic_discretisation_dominates_the_true_curve() {
+    // One subsampled step, both directions: the connect-the-dots δ(ε) is ≥ the true δ(ε)
+    // (by numerical integration of the hockey stick), and = at the grid points.
+    for &dir in &[Direction::Remove, Direction::Add] {
+        let l = SubsampledGaussianLoss::new(0.1, 1.0, dir);
+        let dd = 1e-3;
+        let (k0, k1) = l.grid(dd, 1e-25, 1e-25);
+        let p = l.discretize(dd, k0, k1, Bound::Pessimistic).unwrap();
+        let o = l.discretize(dd, k0, k1, Bound::Optimistic).unwrap();
+        let total: f64 = p.probs.iter().sum::<f64>() + p.inf_mass;
+        assert!((total - 1.0).abs() < 1e-12, "{total}");
+        for &e in &[0.0, 0.0105, 0.05, 0.2, 0.5123] {
+            let truth = true_delta(&l, e);
+            let up = curve::delta(&p, e, 0.0);
+            let lo = curve::delta(&o, e, 0.0);
+            assert!(up >= truth * (1.0 - 1e-9), "{dir:?} {e}: {up} < {truth}");
+            assert!(lo <= truth * (1.0 + 1e-9), "{dir:?} {e}: {lo} > {truth}");
+            assert!(up - truth < 2e-4 * truth.max(1e-6), "{dir:?} {e}: {up} vs {truth}");
+        }
+    }
+}
+
+/// δ(ε) = ∫ (p(x) − e^ε q(x))₊ dx by the trapezoid rule on a fine x grid.
+fn true_delta(l: &SubsampledGaussianLoss, e: f64) -> f64 {
+    let s = l.sigma;
+    let phi = |x: f64, m: f64| (-(x - m) * (x - m) / (2.0 * s * s)).exp() / (s * (2.0 * std::f64::consts::PI).sqrt());
+    let (a, b, n) = (-12.0 * s, 1.0 + 12.0 * s, 400_000usize);
+    let h = (b - a) / n as f64;
+    let mut acc = 0.0;
+    for i in 0..=n {
+        let x = a + i as f64 * h;
+        let mix = (1.0 - l.q) * phi(x, 0.0) + l.q * phi(x, 1.0);
+        let (pp, qq) = match l.direction {
+            Direction::Remove => (mix, phi(x, 0.0)),
+            Direction::Add => (phi(x, 0.0), mix),
+        };
+        let w = if i == 0 || i == n { 0.5 } else { 1.0 };
+        acc += w * (pp - e.exp() * qq).max(0.0);
+    }
+    acc * h
+}
+
+#[test]
+fn unsampled_runs_are_the_analytic_gaussian() {
+    // 100 Gaussian steps of σ = 10 are one Gaussian of σ = 1.
+    let b = eps(1.0, 10.0, 100.0, 1e-5);
+    let exact = curve::gaussian_epsilon(1.0, 1e-5);
+    assert!(b.upper >= exact && b.upper <= exact * (1.0 + 1e-9));
+}
+
+#[test]
+fn subsampled_at_q_one_in_a_mix_stays_above_the_analytic_value() {
+    // The discretised path (a Gaussian mixed with a subsampled group that releases nothing
+    // measurable) never goes below the exact Gaussian.
+    let g = [Group { q: 1.0, sigma: 2.0, count: 4.0 }, Group { q: 1e-12, sigma: 50.0, count: 1.0 }];
+    let b = epsilon_bounds(&g, 1e-6, &Options::default(), true).unwrap();
+    let exact = curve::gaussian_epsilon(1.0, 1e-6);
+    assert!(b.upper >= exact, "{} < {exact}", b.upper);
+    assert!(b.upper <= exact * 1.001, "{} vs {exact}", b.upper);
+    assert!(b.lower <= exact * (1.0 + 1e-9));
+}
+
+#[test]
+fn bounds_bracket_and_are_tight() {
+    // dp_accounting 0.6 (PLD, 1e-4, pessimistic) on the same runs: 0.9182 and 0.9470.
+    let b = eps(256.0 / 60000.0, 1.1, 2340.0, 1e-5);
+    assert!(b.lower <= b.upper);
+    assert!(b.upper <= 0.9182 * 1.005 && b.upper > 0.9, "{b:?}");
+    assert!(b.lower > 0.5, "{b:?}");
+    let b = eps(0.01, 4.0, 10000.0, 1e-5);
+    assert!(b.upper <= 0.9470 * 1.005 && b.upper > 0.93, "{b:?}");
+}
+
+#[test]
+fn trivial_and_degenerate_inputs() {
+    assert_eq!(eps(0.0, 1.0, 100.0, 1e-5).upper, 0.0);
+    assert_eq!(eps(0.5, 0.0, 100.0, 1e-5).upper, f64::INFINITY);
+    assert_eq!(eps(0.5, 1.0, 0.0, 1e-5).upper, 0.0);
+    assert!(epsilon_bounds(&[Group { q: 1.5, sigma: 1.0, count: 1.0 }], 1e-5, &Options::default(), false).is_err());
+    assert!(epsilon_bounds(&[Group { q: 0.5, sigma: f64::NAN, count: 1.0 }], 1e-5, &Options::default(), false).is_err());
+    assert!(epsilon_bounds(&[Group { q: 0.5, sigma: 1.0, count: 1.0 }], 0.0, &Options::default(), false).is_err());
+}
+
+#[test]
+fn extreme_inputs_stay_finite() {
+    let b = epsilon_bounds(&[Group { q: 1e-9, sigma: 1e4, count: 1e9 }], 1e-15, &Options::default(), true).unwrap();
+    assert!(b.upper.is_finite() && b.upper >= 0.0 && b.upper < 1e-3, "{b:?}");
+    let b = epsilon_bounds(&[Group { q: 0.5, sigma: 0.3, count: 1e6 }], 1e-15, &Options::default(), false).unwrap();
+    assert!(b.upper.is_finite() && b.upper > 100.0, "{b:?}");
+}
+
+#[test]
+fn heterogeneous_composition_ignores_order() {
+    let a = Group { q: 0.01, sigma: 1.0, count: 300.0 };
+    let b = Group { q: 0.05, sigma: 2.0, count: 200.0 };
+    let o = Options { interval: Some(1e-4), ..Options::default() };
+    let x = epsilon_bounds(&[a, b], 1e-6, &o, false).unwrap().upper;
+    let y = epsilon_bounds(&[b, a], 1e-6, &o, false).unwrap().upper;
+    assert!((x - y).abs() <= 1e-9 * x, "{x} {y}");
+    // And splitting a group in two changes nothing but rounding.
+    let a1 = Group { count: 100.0, ..a };
+    let a2 = Group { count: 200.0, ..a };
+    let z = epsilon_bounds(&[a1, b, a2], 1e-6, &o, false).unwrap().upper;
+    assert!((x - z).abs() <= 1e-6 * x, "{x} {z}");
+}
+
+#[test]
+fn delta_and_epsilon_are_inverse() {
+    let g = [Group { q: 0.004, sigma: 0.9, count: 1000.0 }];
+    let o = Options::default();
+    let e = epsilon_bounds(&g, 1e-6, &o, false).unwrap().upper;
+    let d = delta_bounds(&g, e, &o, true).unwrap();
+    assert!(d.upper <= 1e-6 * (1.0 + 1e-3), "{d:?}");
+    assert!(d.lower <= d.upper);
+    let d2 = delta_bounds(&g, e * 0.95, &o, false).unwrap();
+    assert!(d2.upper > 1e-6, "{d2:?}");
+}
+
