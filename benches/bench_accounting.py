@@ -72,8 +72,8 @@ def main():
     print(f"{'q':>8} {'steps':>7} {'eps':>4} | {'dpcore':>8} {'dp_acc':>9} {'ratio':>6} | z dpcore / dp_accounting")
     ratios = []
     for q, steps, eps, delta in [(0.01, 1000, 2.0, 1e-5), (0.04, 2250, 8.0, 1e-5), (0.001, 10**5, 1.0, 1e-6)]:
-        z_o = A.calibrate_noise_multiplier(eps, delta, q, steps)
-        t_o = median_time(lambda: A.calibrate_noise_multiplier(eps, delta, q, steps), r)
+        z_o = A.calibrate_noise_multiplier(eps, delta, q, steps, accountant="rdp")
+        t_o = median_time(lambda: A.calibrate_noise_multiplier(eps, delta, q, steps, accountant="rdp"), r)
         tol = 1e-6 * z_o
         t_t = median_time(lambda: theirs_calibrate(q, steps, eps, delta, tol), 3)
         z_t = theirs_calibrate(q, steps, eps, delta, tol)

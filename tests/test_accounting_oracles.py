@@ -278,7 +278,7 @@ def test_calibration_against_dp_accounting():
     theirs = mc.calibrate_dp_mechanism(
         R.RdpAccountant, make, target, 1e-5, mc.LowerEndpointAndGuess(0.0, 1.0), tol=1e-7
     )
-    ours = A.calibrate_noise_multiplier(target, 1e-5, q, steps)
+    ours = A.calibrate_noise_multiplier(target, 1e-5, q, steps, accountant="rdp")
     # Our epsilon is never above theirs, so we need no more noise than they do.
     assert ours <= theirs * (1 + 1e-6)
     assert ours == pytest.approx(theirs, rel=1e-2)
