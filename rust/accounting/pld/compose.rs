@@ -32,37 +32,58 @@ pub struct Part<'a> {
 }
 
 struct Cgf {
-    /// log of the atoms, relative index (k), and each part's offset.
-    logs: Vec<(Vec<f64>, i64, f64)>,
+    /// Per part: (absolute index, log mass) of its atoms merged in blocks, and its count.
+    logs: Vec<(Vec<(f64, f64)>, f64)>,
+}
+
+/// Atoms per block in the Chernoff computation: atoms lighter than 1e-8 of the heaviest are
+/// merged in at most ~2048 blocks per part, each block's light mass at its top index (upper
+/// tail) or its bottom index (lower tail), which only moves the bounds outward.
+fn block(n: usize) -> usize {
+    (n / 2048).max(1)
 }
 
 impl Cgf {
-    fn new(parts: &[Part<'_>]) -> Self {
+    fn new(parts: &[Part<'_>], upper: bool) -> Self {
         let logs = parts
             .par_iter()
             .map(|p| {
-                let l: Vec<f64> = p.pld.probs.iter().map(|&x| if x > 0.0 { x.ln() } else { f64::NEG_INFINITY }).collect();
-                (l, p.pld.offset, p.count)
+                let g = block(p.pld.probs.len());
+                // Heavy atoms keep their exact index (moving the bulk by a block would shift a
+                // T-fold composition by T blocks); the light ones are merged per block.
+                let heavy = 1e-8 * p.pld.probs.iter().cloned().fold(0.0f64, f64::max);
+                let mut l: Vec<(f64, f64)> = Vec::new();
+                for (b, ch) in p.pld.probs.chunks(g).enumerate() {
+                    let mut light = 0.0f64;
+                    for (j, &x) in ch.iter().enumerate() {
+                        if x >= heavy && x > 0.0 {
+                            l.push(((p.pld.offset + (b * g + j) as i64) as f64, x.ln()));
+                        } else {
+                            light += x;
+                        }
+                    }
+                    if light > 0.0 {
+                        let k = if upper { b * g + ch.len() - 1 } else { b * g };
+                        l.push(((p.pld.offset + k as i64) as f64, light.ln()));
+                    }
+                }
+                (l, p.count)
             })
             .collect();
         Cgf { logs }
     }
 
-    /// K(λ) in index units: Σ_s c_s·log Σ_k p_{s,k}·e^{λ(offset_s + k)}.
+    /// K(λ) in index units: Σ_s c_s·log Σ_k p_{s,k}·e^{λ·k}.
     fn k(&self, lambda: f64) -> f64 {
         self.logs
             .par_iter()
-            .map(|(l, off, c)| {
-                let m = l
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &v)| v + lambda * k as f64)
-                    .fold(f64::NEG_INFINITY, f64::max);
+            .map(|(l, c)| {
+                let m = l.iter().map(|&(k, v)| v + lambda * k).fold(f64::NEG_INFINITY, f64::max);
                 if m == f64::NEG_INFINITY {
                     return f64::NEG_INFINITY;
                 }
-                let s: f64 = l.iter().enumerate().map(|(k, &v)| (v + lambda * k as f64 - m).exp()).sum();
-                c * (m + s.ln() + lambda * *off as f64)
+                let s: f64 = l.iter().map(|&(k, v)| (v + lambda * k - m).exp()).sum();
+                c * (m + s.ln())
             })
             .sum()
     }
@@ -153,14 +174,14 @@ pub(crate) fn compose_shifted(
     // The +∞ atom: every step must keep its finite part for the composition to stay finite.
     let log_keep: f64 = parts.iter().map(|p| p.count * (-p.pld.inf_mass).ln_1p()).sum();
     let mut inf_mass = -log_keep.exp_m1();
-    let cgf = Cgf::new(parts);
+    let (cgf_hi, cgf_lo) = (Cgf::new(parts, true), Cgf::new(parts, false));
     let (tmin, tmax) = parts.iter().fold((0.0f64, 0.0f64), |(a, b), p| {
         let lo = p.pld.offset as f64;
         let hi = (p.pld.offset + p.pld.probs.len() as i64 - 1) as f64;
         (a + p.count * lo, b + p.count * hi)
     });
-    let (b, above) = cgf.bound(tail_hi, true, tmax);
-    let (a, below) = cgf.bound(tail_lo, false, tmin);
+    let (b, above) = cgf_hi.bound(tail_hi, true, tmax);
+    let (a, below) = cgf_lo.bound(tail_lo, false, tmin);
     let width = b - a + 1.0;
     if !(width.is_finite() && width >= 1.0) {
         return Err(DpError::param("events", "privacy loss distribution could not be bounded"));
