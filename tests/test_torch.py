@@ -444,3 +444,33 @@ def test_lr_scheduler_and_bad_args():
     with pytest.raises(ValueError, match="noise_multiplier"):
         DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, noise_multiplier=-1.0,
                     max_grad_norm=1.0, expected_batch_size=4.0, ledger=led)
+
+
+def test_make_private_with_epsilon_calibrates_to_the_target():
+    from dpcore import accounting
+    from dpcore.torch import make_private_with_epsilon
+
+    ds = digits_like(50)
+    model = mlp()
+    led = dpcore.PrivacyLedger(tmp_ledger())
+    model, opt, dl = make_private_with_epsilon(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(ds, batch_size=10),
+        target_epsilon=2.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0, ledger=led)
+    q, steps = 10 / 50, 2 * 5
+    z = opt.noise_multiplier
+    assert z == accounting.calibrate_noise_multiplier(2.0, 1e-5, q, steps)
+    assert accounting.epsilon(q, z, steps, 1e-5) <= 2.0 < accounting.epsilon(q, z * 0.99, steps, 1e-5)
+    for _ in range(2):
+        for x, y in dl:
+            opt.zero_grad()
+            if len(x):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert led.num_releases == steps
+    assert opt.get_epsilon(1e-5) <= 2.0
+    for bad in (dict(target_epsilon=0.0), dict(target_delta=1.0), dict(epochs=0)):
+        kw = dict(target_epsilon=2.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0)
+        kw.update(bad)
+        with pytest.raises(ValueError):
+            make_private_with_epsilon(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1),
+                                      torch.utils.data.DataLoader(ds, batch_size=10), **kw)

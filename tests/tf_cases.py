@@ -242,3 +242,19 @@ def test_misuse_is_refused():
     bn = tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(3)])
     with pytest.raises(TypeError, match="batch statistics"):
         DPModel(bn, noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=5.0)
+
+
+def test_make_private_with_epsilon_calibrates_to_the_target():
+    from dpcore import accounting
+    from dpcore.tensorflow import make_private_with_epsilon
+
+    tf.random.set_seed(0)
+    dp = make_private_with_epsilon(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5,
+                                   epochs=2, l2_norm_clip=1.0, population_size=40, sampling_probability=0.25,
+                                   ledger=new_ledger())
+    z = dp.noise_multiplier
+    assert z == accounting.calibrate_noise_multiplier(3.0, 1e-5, 0.25, 8)
+    assert accounting.epsilon(0.25, z, 8, 1e-5) <= 3.0 < accounting.epsilon(0.25, z * 0.99, 8, 1e-5)
+    with pytest.raises(ValueError):
+        make_private_with_epsilon(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5,
+                                  epochs=0, l2_norm_clip=1.0, population_size=40, sampling_probability=0.25)

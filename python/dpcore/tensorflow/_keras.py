@@ -426,3 +426,46 @@ def make_private(
         optimizer=optimizer,
         seed=seed,
     )
+
+
+def make_private_with_epsilon(
+    model: Any,
+    optimizer: Any,
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    epochs: int,
+    l2_norm_clip: float,
+    population_size: int,
+    sampling_probability: float,
+    accountant: str = "pld",
+    **kwargs: Any,
+) -> "DPModel":
+    """:func:`make_private` with the noise multiplier calibrated so that ``epochs`` epochs of
+    round(1/q) Poisson batches (as :class:`PoissonBatches` draws them by default) are
+    (``target_epsilon``, ``target_delta``)-DP under ``accountant`` (default "pld";
+    :func:`dpcore.accounting.calibrate_noise_multiplier`, Abadi et al. 2016 Algorithm 1). The
+    chosen σ is ``dp_model.noise_multiplier`` when the model exposes it, and is always the one
+    the ledger records."""
+    import numbers
+
+    from .. import accounting
+
+    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral):
+        raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    q = float(sampling_probability)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability}")
+    steps = int(epochs) * max(1, round(1.0 / q))
+    z = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant=accountant)
+    return make_private(
+        model,
+        optimizer,
+        noise_multiplier=z,
+        l2_norm_clip=l2_norm_clip,
+        population_size=population_size,
+        sampling_probability=q,
+        **kwargs,
+    )

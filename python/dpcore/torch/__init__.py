@@ -9,7 +9,10 @@ al. 2018)::
         optimizer.zero_grad()
         loss_fn(model(x), y).backward() # one backward pass captures the per-record factors
         optimizer.step()                # clip, noise (core), ledger (fsync), then the update
-    eps = optimizer.get_epsilon(1e-5)
+    eps = optimizer.get_epsilon(1e-5)     # PLD accountant (the default), an upper bound
+
+``make_private_with_epsilon(..., target_epsilon=, target_delta=, epochs=)`` picks the noise multiplier
+instead, as Opacus's function of the same name.
 
 Per-record gradients: factored norms and clipped sums for ``nn.Linear`` and ``nn.Embedding``
 (Goodfellow 2015; ghost norms of Li et al. 2022 for sequences), ``torch.func`` vmap elsewhere.
@@ -30,6 +33,7 @@ from ._optimizer import DPOptimizer
 
 __all__ = [
     "make_private",
+    "make_private_with_epsilon",
     "DPOptimizer",
     "DPDataLoader",
     "PerRecordGradients",
@@ -116,3 +120,46 @@ class _ShuffledLoader:
             self.ledger.record_sample(n, None, "shuffle")
             self.samples_drawn += 1
             yield batch
+
+
+def _calibrated_noise(target_epsilon: Any, target_delta: Any, epochs: Any, q: float, accountant: str) -> Tuple[float, int]:
+    """(σ, steps) for ``epochs`` expected passes of round(1/q) Poisson steps each."""
+    import numbers
+
+    from .. import accounting
+
+    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral):
+        raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    steps = int(epochs) * max(1, round(1.0 / q))
+    z = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant=accountant)
+    return z, steps
+
+
+def make_private_with_epsilon(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: DataLoader,
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    epochs: int,
+    max_grad_norm: Any,
+    accountant: str = "pld",
+    **kwargs: Any,
+) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
+    """:func:`make_private` with the noise multiplier σ calibrated so that ``epochs`` epochs of
+    DP-SGD (Abadi et al. 2016, Algorithm 1; round(1/q) Poisson steps per epoch at q =
+    batch_size/len(dataset), as the DP loader draws them) are (``target_epsilon``,
+    ``target_delta``)-DP under ``accountant`` (default "pld", the tightest:
+    :func:`dpcore.accounting.calibrate_noise_multiplier`, which never overshoots the target).
+    The chosen σ is ``optimizer.noise_multiplier``. Training longer than ``epochs`` spends more
+    than the target; ``optimizer.get_epsilon(delta)`` always reports what was spent."""
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    if data_loader.batch_size is None:
+        raise ValueError("data_loader has no batch_size to derive the sampling probability from")
+    q = min(1.0, data_loader.batch_size / len(data_loader.dataset))  # type: ignore[arg-type]
+    z, _ = _calibrated_noise(target_epsilon, target_delta, epochs, q, accountant)
+    return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
