@@ -152,5 +152,14 @@ def test_calibration_never_overshoots_under_the_accountant_used():
 def test_interop_round_trip_for_every_event():
     from dpcore.events import ComposedEvent, SelfComposedEvent
 
-    e = ComposedEvent((SelfComposedEvent(PoissonSampledEvent(0.01, GaussianEvent(1.0)), 5), NonPrivateEvent()))
+    from dpcore.events import TruncatedPoissonSampledEvent
+
+    e = ComposedEvent((SelfComposedEvent(PoissonSampledEvent(0.01, GaussianEvent(1.0)), 5), NonPrivateEvent(),
+                       SampledWithoutReplacementEvent(100, 10, GaussianEvent(2.0)),
+                       TruncatedPoissonSampledEvent(0.01, 50, 1000, GaussianEvent(1.5))))
     assert acc.from_dp_accounting(acc.to_dp_accounting(e)) == e
+    # The truncated event is translated, but neither accountant analyses it yet: a clear error.
+    t = TruncatedPoissonSampledEvent(0.01, 50, 1000, GaussianEvent(1.5))
+    assert not PldAccountant().supports(t) and not RdpAccountant().supports(t)
+    with pytest.raises(UnsupportedEventError, match="TruncatedPoissonSampledEvent"):
+        PldAccountant().compose(t)

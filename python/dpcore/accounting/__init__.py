@@ -24,6 +24,7 @@ from .events import (
     PoissonSampledEvent,
     SampledWithoutReplacementEvent,
     SelfComposedEvent,
+    TruncatedPoissonSampledEvent,
     event_from_dict,
 )
 from .interop import from_dp_accounting, to_dp_accounting
@@ -49,6 +50,7 @@ __all__ = [
     "PoissonSampledEvent",
     "SampledWithoutReplacementEvent",
     "SelfComposedEvent",
+    "TruncatedPoissonSampledEvent",
     "ComposedEvent",
     "NonPrivateEvent",
     "event_from_dict",

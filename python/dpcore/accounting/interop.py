@@ -12,6 +12,7 @@ from .events import (
     PoissonSampledEvent,
     SampledWithoutReplacementEvent,
     SelfComposedEvent,
+    TruncatedPoissonSampledEvent,
 )
 
 
@@ -38,6 +39,12 @@ def to_dp_accounting(event: Event) -> Any:
         return dpa.ComposedDpEvent([to_dp_accounting(e) for e in event.events])
     if isinstance(event, NonPrivateEvent):
         return dpa.NonPrivateDpEvent()
+    if isinstance(event, TruncatedPoissonSampledEvent):
+        if not isinstance(event.event, GaussianEvent):
+            raise TypeError("dp_accounting's truncated event holds a Gaussian; the inner event must be GaussianEvent")
+        return dpa.TruncatedSubsampledGaussianDpEvent(
+            event.population_size, event.sampling_probability, event.max_sample_size, event.event.noise_multiplier
+        )
     raise TypeError(f"cannot translate {type(event).__name__}")
 
 
@@ -59,4 +66,8 @@ def from_dp_accounting(event: Any) -> Event:
         return NonPrivateEvent()
     if isinstance(event, dpa.NoOpDpEvent):
         return ComposedEvent(())
+    if isinstance(event, dpa.TruncatedSubsampledGaussianDpEvent):
+        return TruncatedPoissonSampledEvent(
+            event.sampling_probability, event.truncated_batch_size, event.dataset_size, GaussianEvent(event.noise_multiplier)
+        )
     raise TypeError(f"cannot translate {type(event).__name__}")
