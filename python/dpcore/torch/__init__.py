@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 
 from ..ledger import PrivacyLedger
 from ._data import DPDataLoader
-from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin
+from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin, replace_batchnorm
+from ._rules import LayerRule, register_layer
 from ._optimizer import DPOptimizer
 
 __all__ = [
@@ -38,6 +39,9 @@ __all__ = [
     "DPDataLoader",
     "PerRecordGradients",
     "FallbackWarning",
+    "register_layer",
+    "LayerRule",
+    "replace_batchnorm",
     "clip_factors",
     "clip_margin",
 ]
@@ -56,6 +60,7 @@ def make_private(
     max_physical_batch_size: Optional[int] = None,
     loss_reduction: str = "mean",
     grad_sample_mode: str = "auto",
+    batch_first: bool = True,
     poisson_sampling: bool = True,
     seed: Optional[int] = None,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
@@ -97,6 +102,7 @@ def make_private(
         joint_scales=joint_scales,
         loss_reduction=loss_reduction,
         grad_sample_mode=grad_sample_mode,
+        batch_first=batch_first,
         data_loader=loader,
         seed=seed,
     )

@@ -97,6 +97,7 @@ class DPOptimizer(torch.optim.Optimizer):
         joint_scales: Optional[Sequence[float]] = None,
         loss_reduction: str = "mean",
         grad_sample_mode: str = "auto",
+        batch_first: bool = True,
         data_loader: Any = None,
         seed: Optional[int] = None,
     ) -> None:
@@ -122,11 +123,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._releases = 0
         self._drawn_at_release = 0
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.engine = PerRecordGradients(model, params, mode=grad_sample_mode, loss_reduction=loss_reduction)
-        order = self.engine.param_order
-        self.param_names = [name for *_, name in order]
-        self._params = [p for _, _, p, _ in order]
-        m = len(order)
+        self.engine = PerRecordGradients(model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first)
+        self.param_names = list(self.engine.param_names)
+        self._params = list(self.engine.params)
+        m = len(self._params)
         if m == 0:
             raise ValueError("the optimizer has no trainable parameter in the model")
         if clipping == "per_layer":

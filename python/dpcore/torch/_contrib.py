@@ -1,0 +1,353 @@
+"""What a layer's backward pass leaves behind for one parameter, and how it becomes a norm.
+
+A *contribution* is one use of a parameter in the forward pass, in a form from which each
+record's gradient of that use follows (Goodfellow 2015, "Efficient per-example gradient
+computations"):
+
+* :class:`Factored`: Σ_t g_t a_tᵀ over positions t (a linear map applied at T positions: dense
+  layers, attention projections, recurrent weights). ``a=None`` is a bias: Σ_t g_t.
+* :class:`Rows`: rows ``idx_t`` of the parameter receive g_t (an embedding lookup).
+* :class:`Dense`: the per-record gradients themselves, shape (B, *slice) (the ``torch.func``
+  fallback, conv and normalisation layers, user rules).
+
+A parameter's per-record gradient is the sum over its uses (shared or tied parameters, a layer
+applied twice), so norms are taken per parameter, over all of its contributions together.
+Uses of disjoint row ranges (the q, k and v blocks of an attention in-projection) add their
+squared norms; uses of the same rows are concatenated along T when they have one form, and
+materialised and summed otherwise.
+
+Every norm is an upper bound of the exact one, computed in float64 with explicit bounds on its
+rounding error, and the clipped sums are formed from the same factors, so the clip factors of
+:func:`dpcore.torch.clip_factors` bound each record's released contribution by C.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+_U64 = 2.0**-53
+
+# Materialised per-record gradients are formed this many float64 elements at a time.
+_CHUNK = 1 << 25
+
+RowRange = Optional[Tuple[int, int]]
+
+
+def _sq(x: torch.Tensor, dims) -> torch.Tensor:
+    """Σ x² over ``dims`` in float64 (float32 inputs square exactly in float64)."""
+    return torch.linalg.vector_norm(x, dim=dims, dtype=torch.float64).square()
+
+
+def row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
+    """Σ_j x_ij² of every row of each 2-D tensor, in float64. On CPU the Rust core reads the
+    tensors in place (torch's float64 norm of a float32 tensor converts it first, ~10x slower),
+    on this thread: rayon's workers would spin against torch's own threads."""
+    if all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in ts):
+        from .. import _core
+
+        return [torch.from_numpy(s) for s in _core.part_sumsq([t.detach().contiguous().numpy() for t in ts], parallel=False)]
+    return [_sq(t, 1) for t in ts]
+
+
+def _rows_view(param: torch.Tensor, rows: RowRange, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (shaped like ``param``) restricted to the row range (dim 0)."""
+    return t if rows is None else t[rows[0] : rows[1]]
+
+
+class Contribution:
+    """One use of ``param`` (restricted to rows ``rows`` of dim 0, or all of it)."""
+
+    param: nn.Parameter
+    rows: RowRange
+
+    @property
+    def batch(self) -> int:
+        raise NotImplementedError
+
+    def slice_shape(self) -> Tuple[int, ...]:
+        s = tuple(self.param.shape)
+        return s if self.rows is None else (self.rows[1] - self.rows[0],) + s[1:]
+
+    def regroup(self, weights: torch.Tensor, k: int) -> "Contribution":
+        """Microbatches: record i·k+j (j < k) joins unit i with weight ``weights`` (B,); the
+        batch is padded with zero records to a multiple of k."""
+        raise NotImplementedError
+
+    def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Records lo..hi materialised in float64, (n, *slice), and a bound on each one's
+        rounding error relative to the parameter-dtype arithmetic of :meth:`add_clipped`."""
+        raise NotImplementedError
+
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+        """acc[rows] += Σ_i c_i·g_i (``c``: (B,) float64, already including any loss scale)."""
+        raise NotImplementedError
+
+
+def _btd(t: torch.Tensor) -> torch.Tensor:
+    """(B, positions..., d) as (B, T, d); (B, d) as (B, 1, d)."""
+    return t if t.dim() == 3 else t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
+def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.shape[0] == n:
+        return t
+    pad = torch.zeros((n - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], 0)
+
+
+class Factored(Contribution):
+    """Per-record gradient Σ_t g_t a_tᵀ of ``param`` viewed as (rows, din); ``a=None``: Σ_t g_t."""
+
+    __slots__ = ("param", "rows", "a", "g")
+
+    def __init__(self, param: nn.Parameter, a: Optional[torch.Tensor], g: torch.Tensor, rows: RowRange = None) -> None:
+        self.param, self.rows = param, rows
+        self.g = _btd(g)
+        self.a = None if a is None else _btd(a)
+
+    @property
+    def batch(self) -> int:
+        return int(self.g.shape[0])
+
+    def regroup(self, weights: torch.Tensor, k: int) -> "Factored":
+        b, t = self.g.shape[:2]
+        m = -(-b // k)
+        g = _pad_to(self.g * weights.to(self.g.dtype)[:, None, None], m * k).reshape(m, k * t, -1)
+        a = None if self.a is None else _pad_to(self.a, m * k).reshape(m, k * t, -1)
+        return Factored(self.param, a, g, self.rows)
+
+    def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        g = self.g[lo:hi].double()
+        t = g.shape[1]
+        gn = torch.linalg.vector_norm(g, dim=2)
+        if self.a is None:
+            return g.sum(1).reshape((hi - lo,) + self.slice_shape()), 2.0 * (t + 2) * _U64 * gn.sum(1)
+        a = self.a[lo:hi].double()
+        s = (torch.linalg.vector_norm(a, dim=2) * gn).sum(1)
+        per = torch.bmm(g.transpose(1, 2), a)
+        return per.reshape((hi - lo,) + self.slice_shape()), 2.0 * (t + 2) * _U64 * s
+
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+        b, t, dout = self.g.shape
+        gc = self.g * c.to(self.g.dtype)[:, None, None]
+        if self.a is None:
+            _rows_view(self.param, self.rows, acc).add_(gc.sum((0, 1)).to(acc.dtype))
+            return
+        din = self.a.shape[2]
+        target = _rows_view(self.param, self.rows, acc.view(acc.shape[0], -1))
+        lhs, rhs = gc.reshape(b * t, dout).t(), self.a.reshape(b * t, din)
+        if target.dtype == lhs.dtype:
+            target.addmm_(lhs, rhs.to(lhs.dtype))  # one pass: the product accumulates in place
+        else:
+            target.add_(lhs.matmul(rhs.to(lhs.dtype)).to(target.dtype))
+
+
+class Rows(Contribution):
+    """Rows ``idx`` (B, T) of ``param`` receive g (B, T, d): an embedding lookup."""
+
+    __slots__ = ("param", "rows", "idx", "g")
+
+    def __init__(self, param: nn.Parameter, idx: torch.Tensor, g: torch.Tensor) -> None:
+        self.param, self.rows = param, None
+        self.idx = idx.reshape(idx.shape[0], math.prod(idx.shape[1:]))
+        self.g = _btd(g)
+
+    @property
+    def batch(self) -> int:
+        return int(self.g.shape[0])
+
+    def regroup(self, weights: torch.Tensor, k: int) -> "Rows":
+        b, t = self.idx.shape
+        m = -(-b // k)
+        g = _pad_to(self.g * weights.to(self.g.dtype)[:, None, None], m * k).reshape(m, k * t, -1)
+        return Rows(self.param, _pad_to(self.idx, m * k).reshape(m, k * t), g)
+
+    def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        n, t = hi - lo, self.idx.shape[1]
+        v, d = self.param.shape[0], self.g.shape[2]
+        out = torch.zeros(n * v, d, dtype=torch.float64, device=self.g.device)
+        keys = (torch.arange(n, device=self.idx.device).unsqueeze(1) * v + self.idx[lo:hi]).reshape(-1)
+        g = self.g[lo:hi].double()
+        out.index_add_(0, keys, g.reshape(-1, d))
+        err = 2.0 * (t + 2) * _U64 * torch.linalg.vector_norm(g, dim=2).sum(1)
+        return out.reshape(n, v, d), err
+
+    def sq_norms(self) -> torch.Tensor:
+        b, t = self.idx.shape
+        d, v = self.g.shape[2], self.param.shape[0]
+        g = self.g
+        if t == 1:
+            return _sq(g[:, 0], 1)
+        # Rows of one record that look up the same token add up: group by (record, token).
+        keys = torch.arange(b, device=self.idx.device).unsqueeze(1) * v + self.idx
+        uniq, inv = torch.unique(keys.reshape(-1), return_inverse=True)
+        sums = torch.zeros(uniq.shape[0], d, dtype=torch.float64, device=g.device)
+        sums.index_add_(0, inv, g.reshape(-1, d).double())
+        gn = torch.linalg.vector_norm(g.reshape(-1, d), dim=1, dtype=torch.float64)
+        bound = torch.zeros(uniq.shape[0], dtype=torch.float64, device=g.device).index_add_(0, inv, gn)
+        nk = torch.linalg.vector_norm(sums, dim=1) + 2.0 * (t + 2) * _U64 * bound
+        rec = torch.div(uniq, v, rounding_mode="floor")
+        return torch.zeros(b, dtype=torch.float64, device=g.device).index_add_(0, rec, nk.square())
+
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+        d = self.g.shape[2]
+        rows = (self.g * c.to(self.g.dtype)[:, None, None]).reshape(-1, d)
+        acc.index_add_(0, self.idx.reshape(-1), rows.to(acc.dtype))
+
+
+class Dense(Contribution):
+    """The per-record gradients themselves: (B, *slice)."""
+
+    __slots__ = ("param", "rows", "per")
+
+    def __init__(self, param: nn.Parameter, per: torch.Tensor, rows: RowRange = None) -> None:
+        self.param, self.rows, self.per = param, rows, per
+
+    @property
+    def batch(self) -> int:
+        return int(self.per.shape[0])
+
+    def regroup(self, weights: torch.Tensor, k: int) -> "Dense":
+        b = self.per.shape[0]
+        m = -(-b // k)
+        w = weights.to(self.per.dtype).reshape((b,) + (1,) * (self.per.dim() - 1))
+        return Dense(self.param, _pad_to(self.per * w, m * k).reshape((m, k) + tuple(self.per.shape[1:])).sum(1), self.rows)
+
+    def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.per[lo:hi].double(), torch.zeros(hi - lo, dtype=torch.float64, device=self.per.device)
+
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+        s = torch.tensordot(c.to(self.per.dtype), self.per, dims=([0], [0]))
+        _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
+    """Upper bounds of ‖Σ_u Σ_t g_t a_tᵀ‖² per record over same-row factored uses (one longer
+    sequence). Mixed ghost clipping (Bu et al. 2023, "Differentially private optimization on
+    large model at small cost"): per record, the ghost norm Σ_{t,s}(a_t·a_s)(g_t·g_s) costs
+    T²(din+dout) and materialising g_iᵀa_i costs T·din·dout; the cheaper one is taken."""
+    g = cs[0].g if len(cs) == 1 else torch.cat([c.g for c in cs], 1)
+    b, t, dout = g.shape
+    if cs[0].a is None:
+        gn = torch.linalg.vector_norm(g, dim=2, dtype=torch.float64)
+        bs = _sq(g.sum(1, dtype=torch.float64), 1)
+        return (bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square()
+    a = cs[0].a if len(cs) == 1 else torch.cat([c.a for c in cs], 1)
+    din = a.shape[2]
+    if t == 1:
+        sx, sg = row_sq(a[:, 0], g[:, 0])
+        return sx * sg  # ‖g_i a_iᵀ‖² = ‖a_i‖²‖g_i‖²
+    gn = torch.linalg.vector_norm(g, dim=2, dtype=torch.float64)
+    xn = torch.linalg.vector_norm(a, dim=2, dtype=torch.float64)
+    s = (xn * gn).sum(1)  # Σ_t ‖a_t‖‖g_t‖ ≥ ‖Σ_t g_t a_tᵀ‖: bounds the rounding error
+    if t * (din + dout) <= din * dout:
+        chunk = max(1, _CHUNK // max(1, t * (t + din + dout)))
+        parts = []
+        for i in range(0, b, chunk):
+            a64, g64 = a[i : i + chunk].double(), g[i : i + chunk].double()
+            parts.append((torch.bmm(a64, a64.transpose(1, 2)) * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2)))
+        w = torch.cat(parts)
+        err = 2.0 * (din + dout + t * t + 8) * _U64 * s.square()
+        return torch.minimum(w.clamp_min(0.0) + err, s.square())
+    chunk = max(1, _CHUNK // max(1, din * dout + t * (din + dout)))
+    parts = [
+        _sq(torch.bmm(g[i : i + chunk].double().transpose(1, 2), a[i : i + chunk].double()), (1, 2))
+        for i in range(0, b, chunk)
+    ]
+    w = torch.cat(parts)
+    return torch.minimum((w.sqrt() + 2.0 * (t + 2) * _U64 * s).square(), s.square())
+
+
+def _dense_sq(cs: Sequence[Contribution], b: int) -> torch.Tensor:
+    """‖Σ_u g_u‖² per record by materialising every use in float64, plus their error bounds."""
+    param = cs[0].param
+    chunk = max(1, _CHUNK // max(1, param.numel() * 2))
+    out = []
+    for lo in range(0, b, chunk):
+        hi = min(b, lo + chunk)
+        tot = torch.zeros((hi - lo,) + tuple(param.shape), dtype=torch.float64, device=param.device)
+        err = torch.zeros(hi - lo, dtype=torch.float64, device=param.device)
+        for c in cs:
+            per, e = c.dense(lo, hi)
+            (tot if c.rows is None else tot[:, c.rows[0] : c.rows[1]]).add_(per)
+            err = err + e
+        n = torch.linalg.vector_norm(tot.reshape(hi - lo, -1), dim=1)
+        out.append((n + err).square())
+    return torch.cat(out)
+
+
+def _overlap(x: Tuple[int, int], y: Tuple[int, int]) -> bool:
+    return x[0] < y[1] and y[0] < x[1]
+
+
+def _by_rows(cs: Sequence[Contribution], nrows: int) -> List[List[Contribution]]:
+    """Uses grouped so that groups touch disjoint rows (their squared norms add)."""
+    spans: List[Tuple[Tuple[int, int], List[Contribution]]] = []
+    for c in cs:
+        r = c.rows if c.rows is not None else (0, nrows)
+        hit = [k for k, (s, _) in enumerate(spans) if _overlap(s, r)]
+        if not hit:
+            spans.append((r, [c]))
+            continue
+        members = [c]
+        lo, hi = r
+        for k in reversed(hit):
+            s, m = spans.pop(k)
+            members = m + members
+            lo, hi = min(lo, s[0]), max(hi, s[1])
+        spans.append(((lo, hi), members))
+    return [m for _, m in spans]
+
+
+def _merge_dense(cs: List[Contribution]) -> List[Contribution]:
+    """Dense uses of the same rows summed once: the norm and the clipped sum then read the
+    same tensor, whatever the rounding of the sum."""
+    dense = [c for c in cs if isinstance(c, Dense)]
+    if len(dense) < 2 or any(c.rows != dense[0].rows for c in dense):
+        return cs
+    tot = dense[0].per.clone()
+    for c in dense[1:]:
+        tot.add_(c.per.to(tot.dtype))
+    return [c for c in cs if not isinstance(c, Dense)] + [Dense(dense[0].param, tot, dense[0].rows)]
+
+
+def param_sq_norms(cs: List[Contribution], b: int) -> Tuple[torch.Tensor, List[Contribution]]:
+    """(upper bounds of each record's squared gradient norm for one parameter, the uses to
+    form its clipped sum from)."""
+    param = cs[0].param
+    total = torch.zeros(b, dtype=torch.float64, device=param.device)
+    used: List[Contribution] = []
+    for group in _by_rows(cs, int(param.shape[0]) if param.dim() else 1):
+        group = _merge_dense(group)
+        same = all(c.rows == group[0].rows for c in group)
+        kinds = {type(c) for c in group}
+        if same and kinds == {Factored} and len({c.a is None for c in group}) == 1 and len({None if c.a is None else c.a.shape[2] for c in group}) == 1:  # type: ignore[union-attr]
+            total = total + _factored_sq(group)  # type: ignore[arg-type]
+        elif len(group) == 1 and isinstance(group[0], Rows):
+            total = total + group[0].sq_norms()
+        elif same and kinds == {Rows}:
+            r = Rows(param, torch.cat([c.idx for c in group], 1), torch.cat([c.g for c in group], 1))  # type: ignore[attr-defined]
+            total = total + r.sq_norms()
+            group = [r]
+        elif len(group) == 1 and isinstance(group[0], Dense):
+            (s,) = row_sq(group[0].per.reshape(b, -1))
+            total = total + s
+        else:
+            total = total + _dense_sq(group, b)
+        used.extend(group)
+    return total, used
+
+
+def gather(contributions: Sequence[Contribution]) -> Dict[int, List[Contribution]]:
+    """Uses keyed by parameter identity, in order."""
+    out: Dict[int, List[Contribution]] = {}
+    for c in contributions:
+        out.setdefault(id(c.param), []).append(c)
+    return out

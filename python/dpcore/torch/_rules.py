@@ -1,0 +1,714 @@
+"""Per-layer rules: how one module type hands per-record gradient factors to the engine.
+
+A rule wraps one module's forward while the engine is active. Its forward computes the same
+outputs as the module, but through autograd functions whose backward passes return only the
+input gradients and hand the factors of each record's parameter gradient to the rule as
+:mod:`contributions <dpcore.torch._contrib>`. Autograd never forms the (unclipped) batch
+gradient of a parameter that a rule owns.
+
+Built-in rules (dispatch by module type, :func:`register_layer`, as Opacus's ``grad_sample/``):
+
+* ``nn.Linear``: factored (Goodfellow 2015; ghost norms of Li et al. 2022 for sequences, mixed
+  with materialised norms by shape as Bu et al. 2023).
+* ``nn.Embedding``: the looked-up rows.
+* ``nn.Conv1d``/``nn.Conv2d``: per-record gradients from the unfolded input (one batched matrix
+  product per layer, the input gradient by ``convolution_backward`` without the weight's).
+* ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: g·x̂ summed over positions.
+* ``nn.MultiheadAttention`` (every form: packed or separate projections, self and cross
+  attention, masks, causal, ``add_bias_kv``, ``add_zero_attn``, dropout): its projections are
+  factored uses of ``in_proj_weight`` (row blocks q, k, v) and ``out_proj``; the module and its
+  ``state_dict`` are unchanged.
+* ``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: a hand-written backward through time hands each step's
+  gate gradients to factored uses of ``weight_ih``/``weight_hh`` (see ``_rnn.py``).
+* any other module with trainable parameters: ``torch.func`` (vmap of vjp), one notice per type.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ._contrib import Contribution, Dense, Factored, Rows, RowRange
+
+__all__ = ["LayerRule", "register_layer", "rule_for"]
+
+
+class _Flags(threading.local):
+    recompute = False  # inside a generic layer's per-record recomputation: no capturing
+
+
+_flags = _Flags()
+
+
+def _functorch_active() -> bool:
+    f = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(f()) if f is not None else False
+
+
+def _frozen(t: Optional[torch.Tensor], trainable: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
+    """``t`` itself when it is the trainable parameter, else detached (or None)."""
+    return t if t is None or trainable is not None else t.detach()
+
+
+def _sl(t: Optional[torch.Tensor], rows: RowRange) -> Optional[torch.Tensor]:
+    return t if t is None or rows is None else t[rows[0] : rows[1]]
+
+
+# ----------------------------------------------------------------------------- autograd taps
+
+
+class _LinearFn(torch.autograd.Function):
+    """y = x W[rows]ᵀ + b[rows] whose backward returns only ∂L/∂x and hands (x, ∂L/∂y) to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], wrows: RowRange, brows: RowRange, sink: Callable) -> torch.Tensor:
+        w = _sl(weight.detach(), wrows)
+        ctx.save_for_backward(x, w)
+        ctx.sink = sink
+        return F.linear(x, w, _sl(None if bias is None else bias.detach(), brows))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None]:
+        x, w = ctx.saved_tensors
+        ctx.sink(x.detach(), g.detach())
+        gx = g.matmul(w) if ctx.needs_input_grad[0] else None
+        return gx, None, None, None, None, None
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    """Embedding lookup whose backward hands (indices, ∂L/∂y) to ``sink`` (no weight grad)."""
+
+    @staticmethod
+    def forward(ctx: Any, idx: torch.Tensor, weight: torch.Tensor, m: nn.Embedding, sink: Callable) -> torch.Tensor:
+        ctx.idx, ctx.sink = idx, sink
+        return F.embedding(idx, weight.detach(), m.padding_idx, m.max_norm, m.norm_type, False, False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, None, None, None]:
+        ctx.sink(ctx.idx, g.detach())
+        return None, None, None, None
+
+
+class _ConvFn(torch.autograd.Function):
+    """Unpadded convolution whose backward returns ∂L/∂x only and hands (x, ∂L/∂y) to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Any, dilation: Any, groups: int, sink: Callable) -> torch.Tensor:
+        w = weight.detach()
+        ctx.save_for_backward(x, w)
+        ctx.conf, ctx.sink = (stride, dilation, groups), sink
+        nd = x.dim() - 2
+        return torch.ops.aten.convolution(
+            x, w, None if bias is None else bias.detach(), stride, [0] * nd, dilation, False, [0] * nd, groups
+        )
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None, None]:
+        x, w = ctx.saved_tensors
+        stride, dilation, groups = ctx.conf
+        ctx.sink(x.detach(), g.detach())
+        gx = None
+        if ctx.needs_input_grad[0]:
+            nd = x.dim() - 2
+            gx = torch.ops.aten.convolution_backward(
+                g, x, w, None, stride, [0] * nd, dilation, False, [0] * nd, groups, [True, False, False]
+            )[0]
+        return gx, None, None, None, None, None, None
+
+
+class _AffineFn(torch.autograd.Function):
+    """y = x̂·w + b (w, b broadcast as ``view``) whose backward hands (x̂, ∂L/∂y) to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, xhat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], view: Tuple[int, ...], sink: Callable) -> torch.Tensor:
+        w = None if weight is None else weight.detach().reshape(view)
+        ctx.save_for_backward(xhat, w) if w is not None else ctx.save_for_backward(xhat)
+        ctx.sink, ctx.has_w = sink, w is not None
+        y = xhat if w is None else xhat * w
+        return y if bias is None else y + bias.detach().reshape(view)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None]:
+        saved = ctx.saved_tensors
+        ctx.sink(saved[0].detach(), g.detach())
+        gx = (g * saved[1] if ctx.has_w else g) if ctx.needs_input_grad[0] else None
+        return gx, None, None, None, None
+
+
+class _ParamTapFn(torch.autograd.Function):
+    """``value`` (a function of a parameter, e.g. an expanded bias row) fed into the graph; its
+    backward hands ∂L/∂value to ``sink`` and returns no gradient to the parameter."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, value: torch.Tensor, sink: Callable) -> torch.Tensor:
+        ctx.sink = sink
+        return value.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, None, None]:
+        ctx.sink(g.detach())
+        return None, None, None
+
+
+class _TapFn(torch.autograd.Function):
+    """Identity on a generic layer's output; its backward hands ∂L/∂out to ``sink``. The
+    ``anchor`` (a scalar leaf that requires grad) makes the output part of the graph even when
+    the layer's inputs do not require grad (a first layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, anchor: torch.Tensor, sink: Callable) -> torch.Tensor:
+        ctx.sink = sink
+        return out.view_as(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+        ctx.sink(g.detach())
+        return g, None, None
+
+
+# ----------------------------------------------------------------------------- rule base
+
+
+class LayerRule:
+    """Per-record gradients of one module's trainable parameters (subclass, then
+    :func:`register_layer`).
+
+    The engine creates one rule per module and, while DP capture is active, calls
+    :meth:`forward` instead of the module's own forward. ``forward`` must return what the module
+    returns, computed so that autograd forms no gradient for the parameters in ``self.params``
+    (name → parameter; the module's trainable parameters, all of them when ``claims_children``),
+    and must call :meth:`add` during the backward pass with contributions whose per-record sum
+    is each record's gradient of that parameter. The helpers :meth:`linear`, :meth:`lookup` and
+    :meth:`tap` build such forwards. ``claims_children = True``: the rule also owns the
+    parameters of the module's submodules (which are then not instrumented themselves).
+    """
+
+    kind = "custom"
+    claims_children = False
+
+    def __init__(self, name: str, module: nn.Module, params: Dict[str, nn.Parameter], engine: Any) -> None:
+        self.name, self.module, self.params, self.engine = name, module, params, engine
+        self.contributions: List[Contribution] = []
+        self._had_instance_forward = "forward" in module.__dict__
+        self._orig = module.forward
+
+    # -- engine plumbing
+    def install(self) -> None:
+        self.module.forward = self._dispatch  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._had_instance_forward:
+            self.module.forward = self._orig  # type: ignore[method-assign]
+        else:
+            self.module.__dict__.pop("forward", None)
+
+    def active(self) -> bool:
+        # Not under torch.func transforms: a user's own vmap/grad of the model sees plain layers.
+        return torch.is_grad_enabled() and not _flags.recompute and self.engine.enabled and not _functorch_active()
+
+    def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active():
+            return self._orig(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    def clear(self) -> None:
+        self.contributions = []
+
+    def add(self, c: Contribution) -> None:
+        self.contributions.append(c)
+
+    # -- what subclasses implement
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    # -- helpers
+    def p(self, name: str) -> Optional[nn.Parameter]:
+        """The trainable parameter ``name`` of this rule, or None when frozen or absent."""
+        return self.params.get(name)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        wname: Optional[str] = None,
+        bname: Optional[str] = None,
+        wrows: RowRange = None,
+        brows: RowRange = None,
+    ) -> torch.Tensor:
+        """F.linear(x, weight[wrows], bias[brows]) with records on dim 0 of ``x``; factored
+        contributions go to the trainable parameters named ``wname``/``bname``."""
+        wp = self.p(wname) if wname else None
+        bp = self.p(bname) if bname else None
+        if wp is None and bp is None:
+            w = _sl(weight, wrows)
+            return F.linear(x, w, _sl(bias, brows))
+
+        def sink(a: torch.Tensor, g: torch.Tensor) -> None:
+            if wp is not None:
+                self.add(Factored(wp, a, g, wrows))
+            if bp is not None:
+                self.add(Factored(bp, None, g, brows))
+
+        # Frozen tensors enter without their autograd edge; a trainable one keeps the output in
+        # the graph even when x does not require grad (a first layer).
+        return _LinearFn.apply(x, weight if wp is not None else weight.detach(), _frozen(bias, bp), wrows, brows, sink)
+
+    def tap(self, out: torch.Tensor, sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """``out`` unchanged, with ``sink(∂L/∂out)`` called in the backward pass."""
+        return _TapFn.apply(out, self.engine.anchor, sink)
+
+
+# ----------------------------------------------------------------------------- built-in rules
+
+
+class LinearRule(LayerRule):
+    kind = "linear"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if _seq_first(self, x):
+            return self.linear(x.transpose(0, 1), m.weight, m.bias, wname="weight", bname="bias").transpose(0, 1)
+        return self.linear(x, m.weight, m.bias, wname="weight", bname="bias")
+
+
+class EmbeddingRule(LayerRule):
+    kind = "embedding"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        m = self.module
+        if m.scale_grad_by_freq:
+            raise ValueError(
+                f"layer {self.name!r}: Embedding(scale_grad_by_freq=True) scales gradients by counts over the "
+                "whole batch, which mixes records; use scale_grad_by_freq=False"
+            )
+        if m.sparse:
+            raise ValueError(f"layer {self.name!r}: Embedding(sparse=True) is not supported; noise makes every row dense")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if _seq_first(self, idx, 2):
+            return self._lookup(idx.transpose(0, 1)).transpose(0, 1)
+        return self._lookup(idx)
+
+    def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        m, w = self.module, self.params["weight"]
+
+        def sink(i: torch.Tensor, g: torch.Tensor) -> None:
+            if m.padding_idx is not None:  # torch gives the padding row no gradient
+                g = g * (i != m.padding_idx).unsqueeze(-1).to(g.dtype)
+            self.add(Rows(w, i.reshape(i.shape[0], -1) if i.dim() else i.reshape(1, 1), g))
+
+        return _EmbeddingFn.apply(idx, w, m, sink)
+
+
+class ConvRule(LayerRule):
+    """Conv1d/Conv2d: per-record weight gradients g_i ⊛ x_i as one batched product of the
+    output gradient with the unfolded input (the per-example form of Opacus's conv rule), in
+    chunks of records; the input gradient by ``convolution_backward`` with the weight's masked
+    off. Padding modes are applied before the tap, so the rule sees an unpadded convolution."""
+
+    kind = "conv"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        nd = 1 if isinstance(m, nn.Conv1d) else 2
+        unbatched = x.dim() == nd + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        pad = m._reversed_padding_repeated_twice
+        if any(pad):
+            x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+        wp, bp = self.p("weight"), self.p("bias")
+
+        def sink(xi: torch.Tensor, g: torch.Tensor) -> None:
+            self._capture(xi, g, wp, bp)
+
+        y = _ConvFn.apply(x, _frozen(m.weight, wp), _frozen(m.bias, bp), list(m.stride), list(m.dilation), m.groups, sink)
+        return y.squeeze(0) if unbatched else y
+
+    def _capture(self, x: torch.Tensor, g: torch.Tensor, wp: Any, bp: Any) -> None:
+        m = self.module
+        b = x.shape[0]
+        if bp is not None:
+            self.add(Dense(bp, g.reshape(b, g.shape[1], -1).sum(2)))
+        if wp is None:
+            return
+        if x.dim() == 3:  # Conv1d as a 2-D convolution of height 1
+            x, g = x.unsqueeze(2), g.unsqueeze(2)
+            k, st, dl = (1, m.kernel_size[0]), (1, m.stride[0]), (1, m.dilation[0])
+        else:
+            k, st, dl = m.kernel_size, m.stride, m.dilation
+        G, cout = m.groups, m.out_channels
+        L = g.shape[2] * g.shape[3]
+        din = (m.in_channels // G) * k[0] * k[1]
+        per = torch.empty((b, cout, din), dtype=g.dtype, device=g.device)
+        chunk = max(1, (1 << 24) // max(1, G * din * L))
+        for lo in range(0, b, chunk):
+            hi = min(b, lo + chunk)
+            u = F.unfold(x[lo:hi], k, dilation=dl, padding=0, stride=st).reshape(hi - lo, G, din, L)
+            gg = g[lo:hi].reshape(hi - lo, G, cout // G, L)
+            torch.matmul(gg, u.transpose(2, 3), out=per[lo:hi].view(hi - lo, G, cout // G, din))
+        self.add(Dense(wp, per.view((b,) + tuple(m.weight.shape))))
+
+
+class NormRule(LayerRule):
+    """LayerNorm, GroupNorm, RMSNorm: the normalisation x̂ (no parameters) by torch, then the
+    affine map through a tap: each record's weight gradient is Σ g·x̂ over its positions."""
+
+    kind = "norm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.module, nn.GroupNorm) and _seq_first(self, x):
+            return self._norm(x.transpose(0, 1)).transpose(0, 1)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        wp, bp = self.p("weight"), self.p("bias")
+        if isinstance(m, nn.GroupNorm):
+            xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+            view: Tuple[int, ...] = (-1,) + (1,) * (x.dim() - 2)
+            keep = 1  # channel dim
+        else:
+            shape = tuple(m.normalized_shape)
+            if isinstance(m, nn.LayerNorm):
+                xhat = F.layer_norm(x, shape, None, None, m.eps)
+            else:
+                xhat = F.rms_norm(x, shape, None, m.eps)
+            view, keep = shape, -len(shape)
+
+        def sink(xh: torch.Tensor, g: torch.Tensor) -> None:
+            b = g.shape[0]
+            if keep == 1:
+                red = tuple(range(2, g.dim()))
+            else:
+                red = tuple(range(1, g.dim() + keep))
+            if wp is not None:
+                gw = (g * xh).sum(red) if red else g * xh
+                self.add(Dense(wp, gw.reshape((b,) + tuple(wp.shape))))
+            if bp is not None:
+                gb = g.sum(red) if red else g
+                self.add(Dense(bp, gb.reshape((b,) + tuple(bp.shape))))
+
+        weight, bias = getattr(m, "weight", None), getattr(m, "bias", None)
+        return _AffineFn.apply(xhat, _frozen(weight, wp), _frozen(bias, bp), view, sink)
+
+
+class GenericRule(LayerRule):
+    """Any module: its output gradient is captured during the backward pass, and the per-record
+    gradients of its own parameters are ``torch.func.vmap`` of ``torch.func.vjp`` of the
+    module's forward, one record at a time (materialised per record)."""
+
+    kind = "generic"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self._inside = False
+        self.captures: List[Any] = []
+
+    def _call_with(self, tensors: Dict[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
+        """The original forward with the layer's own parameters replaced (no module hooks run)."""
+        p = self.module._parameters
+        saved = {n: p[n] for n in tensors}
+        try:
+            for n, v in tensors.items():
+                p[n] = v  # type: ignore[assignment]
+            return self._orig(*args, **kwargs)
+        finally:
+            for n, v in saved.items():
+                p[n] = v
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._inside:
+            return self._orig(*args, **kwargs)
+        self._inside = True
+        try:
+            # Parameters detached: autograd does not form the (unclipped) batch gradient.
+            out = self._call_with({n: p.detach() for n, p in self.params.items()}, args, kwargs)
+        finally:
+            self._inside = False
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"layer {self.name!r} ({type(self.module).__name__}) returns {type(out).__name__}; the generic "
+                "per-record path supports layers that return one tensor: register a rule for it with "
+                "dpcore.torch.register_layer"
+            )
+        dargs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if _seq_first(self, out):
+            dargs = tuple(a.transpose(0, 1) if isinstance(a, torch.Tensor) and a.dim() >= 3 else a for a in dargs)
+            return self.tap(out, lambda g: self._per_record(dargs, kwargs, g.transpose(0, 1), seq_first=True))
+        return self.tap(out, lambda g: self._per_record(dargs, kwargs, g))
+
+    def _per_record(self, args: Any, kwargs: Any, g: torch.Tensor, seq_first: bool = False) -> None:
+        from torch.func import vjp, vmap
+
+        b = g.shape[0]
+        params = {n: p.detach() for n, p in self.params.items()}
+        pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        for i in pos:
+            if args[i].shape[:1] != (b,):
+                raise ValueError(
+                    f"layer {self.name!r}: tensor argument {i} has no record axis of size {b} (dim 0); the "
+                    "generic path batches tensor arguments along dim 0"
+                )
+
+        def one(p: Dict[str, torch.Tensor], xs: Tuple[torch.Tensor, ...], gi: torch.Tensor) -> Any:
+            full = list(args)
+            for i, x in zip(pos, xs):
+                full[i] = x.unsqueeze(1) if seq_first and x.dim() >= 2 else x.unsqueeze(0)
+            _, pull = vjp(lambda q: self._call_with(q, full, kwargs), p)
+            return pull(gi.unsqueeze(1) if seq_first and gi.dim() >= 2 else gi.unsqueeze(0))[0]
+
+        if b == 0:
+            per = {n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in params.items()}
+        else:
+            _flags.recompute = True
+            try:
+                per = vmap(one, in_dims=(None, 0, 0))(params, tuple(args[i] for i in pos), g)
+            finally:
+                _flags.recompute = False
+        for n, p in self.params.items():
+            self.add(Dense(p, per[n]))
+
+
+class FunctionRule(GenericRule):
+    """A user rule ``fn(module, args, grad_output) -> {param_name: per-record gradient}``."""
+
+    kind = "custom"
+    fn: Callable[..., Dict[str, torch.Tensor]]
+
+    def _per_record(self, args: Any, kwargs: Any, g: torch.Tensor, seq_first: bool = False) -> None:
+        got = type(self).fn(self.module, args, g)
+        b = g.shape[0]
+        for n, p in self.params.items():
+            if n not in got:
+                raise ValueError(f"rule for {type(self.module).__name__} returned no per-record gradient for {n!r}")
+            per = got[n]
+            if tuple(per.shape) != (b,) + tuple(p.shape):
+                raise ValueError(
+                    f"rule for {type(self.module).__name__}: per-record gradient of {n!r} has shape "
+                    f"{tuple(per.shape)}, expected {(b,) + tuple(p.shape)}"
+                )
+            self.add(Dense(p, per.detach()))
+
+
+def _seq_first(rule: LayerRule, x: torch.Tensor, min_dim: int = 3) -> bool:
+    """Whether ``x`` holds its records on dim 1 (the engine's ``batch_first=False``, as
+    PyTorch's (T, B, ·) sequence layout)."""
+    return not rule.engine.batch_first and x.dim() >= min_dim
+
+
+def _float_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A boolean mask (True = not allowed) as an additive float mask, as PyTorch's attention."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+class MultiheadAttentionRule(LayerRule):
+    """``nn.MultiheadAttention`` with its own parameters and ``state_dict`` (no module swap).
+
+    The in-projection is one factored use of ``in_proj_weight`` per distinct input: self
+    attention projects q, k and v in one product (rows 0..3E), cross attention (decoder layers)
+    projects q from the query (rows 0..E) and k, v from the memory (rows E..3E); the per-record
+    norm adds the blocks' squared norms, as they are disjoint rows. ``out_proj`` is factored too
+    (claimed here, since PyTorch's attention calls its weights directly). ``bias_k``/``bias_v``
+    are tapped per record. The attention itself is PyTorch's ``scaled_dot_product_attention``
+    (or the explicit softmax when ``need_weights``), with the masks of ``F.multi_head_attention_forward``.
+    """
+
+    kind = "attention"
+    claims_children = True
+
+    def _kv_bias(self, name: str, n: int) -> torch.Tensor:
+        param = getattr(self.module, name)
+        e = param.shape[-1]
+        value = param.detach().reshape(1, 1, e).expand(n, 1, e)
+        p = self.p(name)
+        if p is None:
+            return value
+        return _ParamTapFn.apply(p, value, lambda g: self.add(Dense(p, g.reshape((n,) + tuple(p.shape)))))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[torch.Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        m = self.module
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint")
+        unbatched = query.dim() == 2
+        self_attn, same_kv = query is key and key is value, key is value
+
+        def records_first(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(0) if unbatched else (t if m.batch_first else t.transpose(0, 1))
+
+        q_in, k_in, v_in = records_first(query), records_first(key), records_first(value)
+        if unbatched and key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+        n, tl, e = q_in.shape
+        h = m.num_heads
+        hd = e // h
+        b = m.in_proj_bias
+        if m._qkv_same_embed_dim:
+            w = m.in_proj_weight
+            kw = dict(wname="in_proj_weight", bname="in_proj_bias")
+            if self_attn:
+                q, k, v = self.linear(q_in, w, b, **kw).chunk(3, -1)
+            elif same_kv:
+                q = self.linear(q_in, w, b, wrows=(0, e), brows=(0, e), **kw)
+                k, v = self.linear(k_in, w, b, wrows=(e, 3 * e), brows=(e, 3 * e), **kw).chunk(2, -1)
+            else:
+                q = self.linear(q_in, w, b, wrows=(0, e), brows=(0, e), **kw)
+                k = self.linear(k_in, w, b, wrows=(e, 2 * e), brows=(e, 2 * e), **kw)
+                v = self.linear(v_in, w, b, wrows=(2 * e, 3 * e), brows=(2 * e, 3 * e), **kw)
+        else:
+            q = self.linear(q_in, m.q_proj_weight, b, wname="q_proj_weight", bname="in_proj_bias", brows=(0, e))
+            k = self.linear(k_in, m.k_proj_weight, b, wname="k_proj_weight", bname="in_proj_bias", brows=(e, 2 * e))
+            v = self.linear(v_in, m.v_proj_weight, b, wname="v_proj_weight", bname="in_proj_bias", brows=(2 * e, 3 * e))
+        if m.bias_k is not None and m.bias_v is not None:
+            k = torch.cat([k, self._kv_bias("bias_k", n)], 1)
+            v = torch.cat([v, self._kv_bias("bias_v", n)], 1)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        if m.add_zero_attn:
+            z = torch.zeros((n, 1, e), dtype=k.dtype, device=k.device)
+            k, v = torch.cat([k, z], 1), torch.cat([v, z], 1)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        s = k.shape[1]
+        causal = is_causal and key_padding_mask is None and not need_weights
+        mask = None
+        if not causal:
+            am = _float_mask(attn_mask, q.dtype)
+            if am is not None:
+                am = am.reshape(1, 1, tl, s) if am.dim() == 2 else am.reshape(n, h, tl, s)
+            kpm = _float_mask(key_padding_mask, q.dtype)
+            if kpm is not None:
+                kpm = kpm.reshape(n, 1, 1, s)
+            mask = am if kpm is None else (kpm if am is None else am + kpm)
+        qh = q.reshape(n, tl, h, hd).transpose(1, 2)
+        kh = k.reshape(n, s, h, hd).transpose(1, 2)
+        vh = v.reshape(n, s, h, hd).transpose(1, 2)
+        p_drop = m.dropout if m.training else 0.0
+        weights = None
+        if need_weights:
+            scores = torch.matmul(qh * math.sqrt(1.0 / hd), kh.transpose(-2, -1))
+            if mask is not None:
+                scores = scores + mask
+            att = torch.softmax(scores, -1)
+            if p_drop > 0:
+                att = F.dropout(att, p=p_drop)
+            out = torch.matmul(att, vh)
+            weights = att.mean(1) if average_attn_weights else att
+            if unbatched:
+                weights = weights.squeeze(0)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=p_drop, is_causal=causal)
+        out = out.transpose(1, 2).reshape(n, tl, e)
+        out = self.linear(out, m.out_proj.weight, m.out_proj.bias, wname="out_proj.weight", bname="out_proj.bias")
+        out = out.squeeze(0) if unbatched else (out if m.batch_first else out.transpose(0, 1))
+        return out, weights
+
+
+class RecurrentRule(LayerRule):
+    """``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` with their own parameters (no module swap): the
+    recurrence runs in ``_rnn.py``, whose backward through time hands, per layer and direction,
+    the gate gradients d_ih, d_hh (B, T, G·H) with the step inputs x and h_{t−1}; weight_ih is
+    then the factored use Σ_t d_ih,t x_tᵀ, weight_hh Σ_t d_hh,t h_{t−1}ᵀ, and the biases Σ_t d."""
+
+    kind = "recurrent"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        if getattr(self.module, "proj_size", 0):
+            raise ValueError(f"layer {self.name!r}: LSTM with proj_size > 0 is not supported")
+
+    def forward(self, input: Any, hx: Any = None) -> Any:
+        from ._rnn import recurrent_forward
+
+        def sink(layer: int, direction: int, x: torch.Tensor, h_prev: torch.Tensor, d_ih: torch.Tensor, d_hh: torch.Tensor) -> None:
+            sfx = f"_l{layer}" + ("_reverse" if direction else "")
+            for name, a, g in (("weight_ih", x, d_ih), ("weight_hh", h_prev, d_hh), ("bias_ih", None, d_ih), ("bias_hh", None, d_hh)):
+                p = self.p(name + sfx)
+                if p is not None:
+                    self.add(Factored(p, a, g))
+
+        return recurrent_forward(self.module, input, hx, sink=sink, anchor=self.engine.anchor)
+
+
+# ----------------------------------------------------------------------------- registry
+
+_REGISTRY: Dict[type, Type[LayerRule]] = {}
+
+
+def register_layer(module_type: type, rule: Any) -> None:
+    """Registers how dpcore.torch computes per-record gradients for ``module_type``.
+
+    ``rule`` is either a :class:`LayerRule` subclass (factored forms, see the built-in rules in
+    ``dpcore/torch/_rules.py``) or a function ``rule(module, args, grad_output)`` returning
+    ``{parameter_name: per_record_gradient}`` for the module's trainable parameters, each of
+    shape (B, *parameter.shape), where ``args`` are the forward's positional arguments and
+    ``grad_output`` is ∂L/∂output (records on dim 0), as Opacus's ``register_grad_sampler``.
+    The rule applies to ``module_type`` and to subclasses that do not override ``forward``.
+    A wrong rule breaks the privacy guarantee silently: test it against per-record autograd.
+    """
+    if not isinstance(module_type, type) or not issubclass(module_type, nn.Module):
+        raise TypeError(f"module_type must be a subclass of torch.nn.Module, got {module_type!r}")
+    if isinstance(rule, type) and issubclass(rule, LayerRule):
+        _REGISTRY[module_type] = rule
+    elif callable(rule):
+        _REGISTRY[module_type] = type(f"FunctionRule_{module_type.__name__}", (FunctionRule,), {"fn": staticmethod(rule)})
+    else:
+        raise TypeError(f"rule must be a LayerRule subclass or a function, got {type(rule).__name__}")
+
+
+def rule_for(module: nn.Module) -> Optional[Type[LayerRule]]:
+    """The registered rule of ``module``'s type, or of the nearest registered base type whose
+    ``forward`` the type inherits unchanged; None when there is none (generic path)."""
+    t = type(module)
+    if t in _REGISTRY:
+        return _REGISTRY[t]
+    for base in t.__mro__[1:]:
+        if base in _REGISTRY and getattr(t, "forward", None) is getattr(base, "forward", None):
+            return _REGISTRY[base]
+    return None
+
+
+for _t, _r in (
+    (nn.Linear, LinearRule),
+    (nn.Embedding, EmbeddingRule),
+    (nn.Conv1d, ConvRule),
+    (nn.Conv2d, ConvRule),
+    (nn.LayerNorm, NormRule),
+    (nn.GroupNorm, NormRule),
+    (nn.MultiheadAttention, MultiheadAttentionRule),
+    (nn.LSTM, RecurrentRule),
+    (nn.GRU, RecurrentRule),
+    (nn.RNN, RecurrentRule),
+):
+    _REGISTRY[_t] = _r
+if hasattr(nn, "RMSNorm") and hasattr(F, "rms_norm"):
+    _REGISTRY[nn.RMSNorm] = NormRule

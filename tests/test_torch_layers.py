@@ -1,0 +1,340 @@
+"""Per-layer rules of dpcore.torch against brute force, the privacy-critical test.
+
+For every layer family, the update released at noise 0 must equal the brute-force per-record
+clipped sum: one backward pass per record, flat L2 clipping over all trainable tensors, divided
+by the expected batch size. A wrong norm anywhere (a missed use of a shared parameter, a wrong
+block of an attention projection, a wrong gate of an LSTM) breaks the guarantee silently; this
+test sees it. The clip norm is the median record norm, so half the records are clipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import dpcore  # noqa: E402
+from dpcore.torch import DPOptimizer, FallbackWarning, PerRecordGradients  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _tmp_ledger():
+    import os
+    import tempfile
+
+    return dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-test-"), "l.jsonl"))
+
+
+def brute_force(model, loss_of, n, clip=None):
+    """Per-record gradients by one backward pass per record; (clip, clipped sum per param)."""
+    m = copy.deepcopy(model)
+    params = [p for p in m.parameters() if p.requires_grad]
+    per = []
+    for i in range(n):
+        for p in params:
+            p.grad = None
+        loss_of(m, [i]).backward()
+        per.append([torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params])
+    norms = torch.tensor([math.sqrt(sum(float((g.double() ** 2).sum()) for g in gs)) for gs in per])
+    if clip is None:
+        clip = float(norms.median())
+    out = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for gs, nm in zip(per, norms):
+        c = min(1.0, clip / float(nm)) if nm > 0 else 1.0
+        for o, g in zip(out, gs):
+            o += c * g.double()
+    return clip, out, norms
+
+
+def dp_update(model, loss_of, n, clip, den, **kw):
+    m = copy.deepcopy(model)
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), model=m, noise_multiplier=0.0, max_grad_norm=clip,
+                      expected_batch_size=den, ledger=_tmp_ledger(), loss_reduction="sum", **kw)
+    opt.ledger.record_sample(100, 0.1)
+    loss_of(m, list(range(n))).backward()
+    opt.step()
+    # grads in the order of model.parameters(), as brute_force
+    return [p.grad for p in params], opt, m
+
+
+def check(model, loss_of, n, den=7.0, rtol=2e-4, **kw):
+    clip, ref, norms = brute_force(model, loss_of, n)
+    assert (norms > clip).any() and (norms < clip).any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # every family here has its own rule
+        got, opt, m = dp_update(model, loss_of, n, clip, den, **kw)
+    scale = max(float(r.abs().max()) for r in ref) / den
+    for (name, p), g, r in zip([(nm, p) for nm, p in m.named_parameters() if p.requires_grad], got, ref):
+        assert g is not None, name
+        np.testing.assert_allclose(g.double().numpy(), (r / den).numpy(), rtol=rtol, atol=rtol * scale, err_msg=name)
+    opt.kinds = {r.kind for r in opt.engine.rules}
+    opt.engine.remove()
+    return opt
+
+
+def ce(out, y):
+    return nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class Encoder(nn.Module):
+    def __init__(self, batch_first=True, norm_first=False):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.enc = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first, norm_first=norm_first),
+            num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+        self.bf = batch_first
+
+    def forward(self, idx, pad=None, causal=False):
+        h = self.emb(idx if self.bf else idx.t())  # (T, B, E) all the way when not batch_first
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1]) if causal else None
+        h = self.enc(h, mask=mask, src_key_padding_mask=pad, is_causal=causal)
+        return self.head(h.mean(1 if self.bf else 0))
+
+
+@pytest.mark.parametrize("batch_first,norm_first,causal,padded", [
+    (True, False, False, False), (True, True, True, False), (False, False, False, True), (True, False, True, True)])
+def test_transformer_encoder(batch_first, norm_first, causal, padded):
+    torch.manual_seed(0)
+    model = Encoder(batch_first, norm_first)
+    idx, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    pad = torch.zeros(6, 5, dtype=torch.bool)
+    pad[::2, -2:] = True
+    check(model, lambda m, i: ce(m(idx[i], pad[i] if padded else None, causal), y[i]), 6, batch_first=batch_first)
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dec = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0)  # (T, B, E): records on dim 1
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tgt, mem, mem_pad):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[0])
+        h = self.dec(tgt, mem, tgt_mask=mask, memory_key_padding_mask=mem_pad, tgt_is_causal=True)
+        return self.head(h.mean(0))
+
+
+def test_transformer_decoder_cross_attention():
+    torch.manual_seed(1)
+    model = Decoder()
+    tgt, mem, y = torch.randn(4, 6, 8), torch.randn(5, 6, 8), torch.randint(0, 3, (6,))
+    pad = torch.zeros(6, 5, dtype=torch.bool)
+    pad[1, -1] = True
+    check(model, lambda m, i: ce(m(tgt[:, i], mem[:, i], pad[i]), y[i]), 6, batch_first=False)
+
+
+class RawAttention(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True, **kw)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, q, k, v, weights=False):
+        out, w = self.att(q, k, v, need_weights=weights, average_attn_weights=False)
+        if weights:
+            out = out + w.sum((1, 3)).unsqueeze(-1)
+        return self.head(out.mean(1))
+
+
+@pytest.mark.parametrize("kw,weights", [
+    (dict(kdim=5, vdim=4), False), (dict(add_bias_kv=True, add_zero_attn=True), True), (dict(bias=False), True)])
+def test_multihead_attention_forms(kw, weights):
+    torch.manual_seed(2)
+    model = RawAttention(**kw)
+    kd, vd = kw.get("kdim", 8), kw.get("vdim", 8)
+    q, k, v, y = torch.randn(5, 3, 8), torch.randn(5, 4, kd), torch.randn(5, 4, vd), torch.randint(0, 3, (5,))
+    check(model, lambda m, i: ce(m(q[i], k[i], v[i], weights), y[i]), 5)
+
+
+def test_attention_outputs_equal_pytorch_and_state_dict_unchanged():
+    torch.manual_seed(3)
+    model = RawAttention(add_bias_kv=True)
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    q = torch.randn(4, 3, 8)
+    with torch.no_grad():
+        ref = model.att(q, q, q, need_weights=True)
+    eng = PerRecordGradients(model, list(model.parameters()))
+    got = model.att(q, q, q, need_weights=True)
+    torch.testing.assert_close(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1])
+    assert model.state_dict().keys() == keys.keys()
+    eng.remove()
+    fresh = RawAttention(add_bias_kv=True)
+    fresh.load_state_dict(model.state_dict())
+
+
+# ----------------------------------------------------------------------------- recurrent
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind, **kw):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.rnn = getattr(nn, kind)(4, 5, **kw)
+        self.bf = kw.get("batch_first", False)
+        self.head = nn.Linear(5 * (2 if kw.get("bidirectional") else 1), 3)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        if not self.bf:
+            h = h.transpose(0, 1)
+        out = self.rnn(h)[0]
+        return self.head(out[:, -1] if self.bf else out[-1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("kw", [dict(num_layers=2, batch_first=True), dict(bidirectional=True), dict(num_layers=2, bidirectional=True, batch_first=True)])
+def test_recurrent_layers(kind, kw):
+    torch.manual_seed(4)
+    model = Recurrent(kind, **kw)
+    idx, y = torch.randint(0, 9, (6, 7)), torch.randint(0, 3, (6,))
+    check(model, lambda m, i: ce(m(idx[i]), y[i]), 6)
+
+
+def test_rnn_relu():
+    torch.manual_seed(5)
+    model = Recurrent("RNN", nonlinearity="relu", batch_first=True)
+    idx, y = torch.randint(0, 9, (6, 7)), torch.randint(0, 3, (6,))
+    check(model, lambda m, i: ce(m(idx[i]), y[i]), 6)
+
+
+# ----------------------------------------------------------------------------- conv and norms
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.n1 = nn.GroupNorm(2, 4)
+        self.c2 = nn.Conv2d(4, 6, 3, stride=2, groups=2, padding="same" if False else 1, padding_mode="reflect")
+        self.c3 = nn.Conv1d(6, 4, 2, dilation=2, padding="same")
+        self.ln = nn.LayerNorm(4)
+        self.rms = nn.RMSNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.n1(self.c1(x)))
+        h = torch.relu(self.c2(h))
+        h = self.c3(h.flatten(2))
+        h = self.rms(self.ln(h.mean(2)))
+        return self.head(h)
+
+
+def test_conv_and_norm_layers():
+    torch.manual_seed(6)
+    model = ConvNet()
+    x, y = torch.randn(6, 3, 6, 6), torch.randint(0, 3, (6,))
+    opt = check(model, lambda m, i: ce(m(x[i]), y[i]), 6)
+    assert opt.kinds >= {"conv", "norm", "linear"}
+
+
+# ----------------------------------------------------------------------------- shared parameters
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied
+
+    def forward(self, idx):
+        h = torch.tanh(self.mix(self.emb(idx)))
+        h = torch.tanh(self.mix(h))  # a layer applied twice
+        return self.out(h).mean(1)
+
+
+def test_tied_and_reused_parameters():
+    torch.manual_seed(7)
+    model = TiedLM()
+    idx, y = torch.randint(0, 10, (6, 4)), torch.randint(0, 10, (6,))
+    check(model, lambda m, i: ce(m(idx[i]), y[i]), 6)
+
+
+def test_frozen_parameters_do_not_move():
+    torch.manual_seed(8)
+    model = Encoder()
+    for n, p in model.named_parameters():
+        if "linear1" in n or "emb" in n or "in_proj" in n:
+            p.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    idx, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    check(model, lambda m, i: ce(m(idx[i]), y[i]), 6)
+    opt = DPOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5), model=model,
+                      noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=6.0, ledger=_tmp_ledger())
+    opt.ledger.record_sample(60, 0.1)
+    ce(model(idx), y).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        moved = not torch.equal(p, before[n])
+        assert moved == p.requires_grad, n
+
+
+def test_parameter_used_outside_its_module_is_refused():
+    class Sneaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.lin.weight)  # bypasses the module
+
+    model = Sneaky()
+    eng = PerRecordGradients(model, list(model.parameters()))
+    with pytest.raises(RuntimeError, match="did not capture per record"):
+        model(torch.randn(2, 3)).sum().backward()
+    eng.remove()
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_register_layer_function_rule():
+    calls = []
+
+    def rule(module, args, grad_out):
+        calls.append(1)
+        return {"w": (args[0] * grad_out).sum(1) if args[0].dim() == 3 else args[0] * grad_out}
+
+    dpcore.torch.register_layer(Scale, rule)
+    try:
+        torch.manual_seed(9)
+        model = nn.Sequential(nn.Linear(3, 4), Scale(), nn.Linear(4, 3))
+        x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+        opt = check(model, lambda m, i: ce(m(x[i]), y[i]), 6)
+        assert calls and "custom" in opt.kinds
+    finally:
+        from dpcore.torch._rules import _REGISTRY
+
+        _REGISTRY.pop(Scale, None)
+
+
+def test_batchnorm_refused_and_replaced():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match="GroupNorm"):
+        PerRecordGradients(model, [p for p in model.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)])
+    dpcore.torch.replace_batchnorm(model)
+    assert isinstance(model[1], nn.GroupNorm) and model[1].num_channels == 8
