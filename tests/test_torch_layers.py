@@ -10,6 +10,7 @@ test sees it. The clip norm is the median record norm, so half the records are c
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 
@@ -338,3 +339,105 @@ def test_batchnorm_refused_and_replaced():
         PerRecordGradients(model, [p for p in model.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)])
     dpcore.torch.replace_batchnorm(model)
     assert isinstance(model[1], nn.GroupNorm) and model[1].num_channels == 8
+
+
+# ----------------------------------------------------------------------------- any query from torch
+
+
+def _per_record(model, loss_of, n):
+    m = copy.deepcopy(model)
+    named = [(k, p) for k, p in m.named_parameters() if p.requires_grad]
+    out = []
+    for i in range(n):
+        for _, p in named:
+            p.grad = None
+        loss_of(m, [i]).backward()
+        out.append({k: p.grad.detach().double().clone() for k, p in named})
+    return out
+
+
+def _clipped_sum(records, clip, keys=None):
+    tot = {k: torch.zeros_like(v) for k, v in records[0].items()}
+    for r in records:
+        ks = keys or list(r)
+        nm = math.sqrt(sum(float((r[k] ** 2).sum()) for k in ks))
+        c = min(1.0, clip / nm) if nm > 0 else 1.0
+        for k in ks:
+            tot[k] += c * r[k]
+    return tot
+
+
+def _released(model, loss_of, n, query, **kw):
+    m = copy.deepcopy(model)
+    opt = DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), model=m, query=query, ledger=_tmp_ledger(),
+                      loss_reduction="sum", **kw)
+    opt.ledger.record_sample(100, 0.1)
+    loss_of(m, list(range(n))).backward()
+    opt.step()
+    return {k: p.grad.double() for k, p in m.named_parameters()}, opt
+
+
+def _data():
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Embedding(9, 4), nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 3))
+    idx, y = torch.randint(0, 9, (7, 3)), torch.randint(0, 3, (7,))
+    return model, (lambda m, i: ce(m(idx[i]), y[i])), 7
+
+
+def test_adaptive_clipping_from_torch():
+    from dpcore.queries import QuantileAdaptiveClipQuery
+
+    model, loss_of, n = _data()
+    recs = _per_record(model, loss_of, n)
+    norms = sorted(math.sqrt(sum(float((v ** 2).sum()) for v in r.values())) for r in recs)
+    c0 = (norms[2] + norms[3]) / 2  # 3 of 7 records unclipped
+    q = QuantileAdaptiveClipQuery(c0, 0.0, 0.5, 0.2, 0.0, expected_num_records=7.0, denominator=7.0)
+    got, opt = _released(model, loss_of, n, q)
+    ref = _clipped_sum(recs, c0)
+    for k in ref:
+        np.testing.assert_allclose(got[k].numpy(), ref[k].numpy() / 7.0, rtol=2e-4, atol=1e-7, err_msg=k)
+    # the clip moved by the geometric update from the (noise-free) unclipped fraction 3/7
+    want = c0 * math.exp(-0.2 * (3 / 7 - 0.5))
+    assert opt._groups[0].gs.l2_norm_clip == pytest.approx(want, rel=1e-12)
+    ev = json.loads(open(opt.ledger.path).read().splitlines()[-1])
+    assert "0.5" in json.dumps(ev)  # the count query (bound 1/2) is in the release's event
+    opt.engine.remove()
+
+
+def test_microbatches_from_torch():
+    from dpcore.queries import GaussianAverageQuery, MicrobatchQuery
+
+    model, loss_of, n = _data()
+    recs = _per_record(model, loss_of, n)
+    micro = []
+    for lo in range(0, n, 3):  # microbatches of 3, the last of 1
+        part = recs[lo:lo + 3]
+        micro.append({k: sum(r[k] for r in part) / len(part) for k in part[0]})
+    norms = sorted(math.sqrt(sum(float((v ** 2).sum()) for v in r.values())) for r in micro)
+    clip = norms[1]
+    got, opt = _released(model, loss_of, n, MicrobatchQuery(GaussianAverageQuery(clip, 0.0, 3.0), 3))
+    ref = _clipped_sum(micro, clip)
+    for k in ref:
+        np.testing.assert_allclose(got[k].numpy(), ref[k].numpy() / 3.0, rtol=2e-4, atol=1e-7, err_msg=k)
+    line = json.loads(open(opt.ledger.path).read().splitlines()[-1])
+    assert str(2 * clip)[:8] in json.dumps(line)  # example-level privacy: the bound is doubled
+    opt.engine.remove()
+
+
+def test_nested_query_by_module_prefix_from_torch():
+    from dpcore.queries import GaussianAverageQuery, NestedQuery
+
+    model, loss_of, n = _data()
+    recs = _per_record(model, loss_of, n)
+    groups = {"0": ["0.weight"], "2": ["2.weight", "2.bias"], "4": ["4.weight", "4.bias"]}
+    clips = {g: sorted(math.sqrt(sum(float((r[k] ** 2).sum()) for k in ks)) for r in recs)[3] for g, ks in groups.items()}
+    q = NestedQuery({g: GaussianAverageQuery(clips[g], 0.0, 7.0) for g in groups})
+    got, opt = _released(model, loss_of, n, q)
+    for g, ks in groups.items():
+        ref = _clipped_sum(recs, clips[g], ks)
+        for k in ks:
+            np.testing.assert_allclose(got[k].numpy(), ref[k].numpy() / 7.0, rtol=2e-4, atol=1e-7, err_msg=k)
+    with pytest.raises(ValueError, match="no query group"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                    query=NestedQuery({"0": GaussianAverageQuery(1.0, 1.0, 7.0)}))
+    opt.engine.remove()

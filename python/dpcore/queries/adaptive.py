@@ -24,7 +24,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ..mechanism import gaussian_noise
-from .base import DPQuery, SumState, derive_seed, nonnegative, positive
+from .base import DPQuery, ReleasePlan, SumState, check_parts, derive_seed, nonnegative, positive
 from ..events import ComposedQueryEvent, SumQueryEvent
 from .gaussian import GaussianSumQuery
 
@@ -155,13 +155,45 @@ class QuantileAdaptiveClipQuery(DPQuery):
         sum_event = SumQueryEvent(clip, stddev)
         count_event = SumQueryEvent(0.5, self._sigma_b)
         result = st.sums.noised([stddev] * len(st.sums.sums), self._den, derive_seed(seed, 0))
+        new_gs = self._next_global(gs, st.centred_unclipped, seed)
+        return result, new_gs, ComposedQueryEvent((sum_event, count_event))
+
+    def _next_global(self, gs: AdaptiveClipGlobalState, centred: float, seed: Optional[int]) -> AdaptiveClipGlobalState:
+        """The geometric clip update from the noised unclipped count (Andrew et al., Eq. (2))."""
         noise_b = float(gaussian_noise((), self._sigma_b, dtype=np.float64, seed=derive_seed(seed, 1)))
-        fraction = (st.centred_unclipped + noise_b) / self._expected + 0.5
+        fraction = (centred + noise_b) / self._expected + 0.5
         fraction = min(1.0, max(0.0, fraction))
         new_clip = gs.l2_norm_clip * math.exp(-self._eta * (fraction - self._gamma))
         new_clip = min(_CLIP_MAX, max(_CLIP_MIN, new_clip))
-        new_gs = AdaptiveClipGlobalState(new_clip, gs.noise_multiplier, fraction)
-        return result, new_gs, ComposedQueryEvent((sum_event, count_event))
+        return AdaptiveClipGlobalState(new_clip, gs.noise_multiplier, fraction)
+
+    # -- sums formed by the caller (see DPQuery): the count comes from the records' norms
+
+    def release_plan(self, global_state: Any, num_parts: int) -> ReleasePlan:
+        gs = self._global(global_state)
+        check_parts(num_parts)
+        clip = gs.l2_norm_clip
+        sd = self._z_delta * clip
+        event = ComposedQueryEvent((SumQueryEvent(clip, sd), SumQueryEvent(0.5, self._sigma_b)))
+        return ReleasePlan(clip, (1.0,) * num_parts, (sd,) * num_parts, self._den, event)
+
+    def initial_norm_state(self) -> float:
+        return 0.0
+
+    def accumulate_norms(self, params: Any, norm_state: Any, norms: np.ndarray) -> float:
+        clip = positive("l2_norm_clip (sample params)", params)
+        n = np.asarray(norms, dtype=np.float64)
+        return float(norm_state or 0.0) + float(np.count_nonzero(n <= clip)) - 0.5 * n.size
+
+    def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> float:
+        return float(norm_state_1 or 0.0) + float(norm_state_2 or 0.0)
+
+    def get_noised_plan(
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
+    ) -> Tuple[ReleasePlan, AdaptiveClipGlobalState]:
+        gs = self._global(global_state)
+        plan = self.release_plan(gs, num_parts)
+        return plan, self._next_global(gs, float(norm_state or 0.0), seed)
 
     def derive_metrics(self, global_state: Any) -> dict:
         gs = self._global(global_state)

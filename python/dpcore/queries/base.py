@@ -73,6 +73,66 @@ class DPQuery:
         """Metrics of the global state, e.g. an adaptive clip norm (only values already released)."""
         return {}
 
+    # -- sums formed by the caller ------------------------------------------------------
+    # Framework adapters (dpcore.torch) clip and sum the records on the device from factored
+    # per-record gradients, so the records never reach accumulate_records. The query still
+    # drives the release: release_plan says how to clip; accumulate_norms sees each record's
+    # norm (for what a query derives from the records besides their sum, e.g. the unclipped
+    # count of adaptive clipping); get_noised_plan gives the release's noise and event and the
+    # next global state. Lifecycle::
+    #
+    #     plan = q.release_plan(gs, num_parts)                  # clip, scales, denominator
+    #     ns = q.accumulate_norms(q.derive_sample_params(gs), q.initial_norm_state(), norms)
+    #     plan, gs = q.get_noised_plan(ns, gs, num_parts)       # noise stddevs, event; new state
+
+    def release_plan(self, global_state: Any, num_parts: int) -> "ReleasePlan":
+        """How the next release clips records and adds noise (see :class:`ReleasePlan`)."""
+        raise TypeError(f"{type(self).__name__} cannot release a sum formed outside the query")
+
+    def initial_norm_state(self) -> Any:
+        """What the query derives from record norms before a release (nothing by default)."""
+        return None
+
+    def accumulate_norms(self, params: Any, norm_state: Any, norms: np.ndarray) -> Any:
+        """Adds a batch of records' L2 norms (of the scaled records for joint clipping)."""
+        return norm_state
+
+    def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> Any:
+        return norm_state_1
+
+    def get_noised_plan(
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
+    ) -> Tuple["ReleasePlan", Any]:
+        """``(plan, new_global_state)`` of a release whose clipped sum the caller formed with
+        the clip of :meth:`release_plan`: the caller adds N(0, plan.part_stddevs[j]²) to part j,
+        divides by plan.denominator and records plan.event in the ledger first. ``seed``: tests."""
+        raise TypeError(f"{type(self).__name__} cannot release a sum formed outside the query")
+
+
+@dataclass(frozen=True)
+class ReleasePlan:
+    """What a Gaussian query's release adds, for callers that form the clipped sum themselves.
+
+    Framework adapters (dpcore.torch) compute Σ_i min(1, S/‖x_i‖)·x_i on the device from
+    factored per-record gradients and never hand the records to the core; the plan tells them
+    the rest of McMahan et al. 2018, §1 steps 2–3, exactly as :meth:`GaussianSumQuery.
+    get_noised_result` would do it: clip each record (scaled by 1/α_j for joint clipping, §2)
+    to ``l2_norm_clip``, add N(0, ``part_stddevs[j]``²) to part j of the sum, divide by
+    ``denominator``, and record ``event`` in the ledger before returning the result.
+    """
+
+    l2_norm_clip: float
+    part_scales: Tuple[float, ...]
+    part_stddevs: Tuple[float, ...]
+    denominator: float
+    event: Any
+
+
+def check_parts(num_parts: Any) -> int:
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise ValueError(f"num_parts must be an int >= 1, got {num_parts!r}")
+    return num_parts
+
 
 def _batch_of_one(record: Any) -> Any:
     if isinstance(record, dict):

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from ..mechanism import _unpack, clip_sum
-from .base import DPQuery, SumState, nonnegative, positive
+from .base import DPQuery, ReleasePlan, SumState, check_parts, nonnegative, positive
 from ..events import NonPrivateQueryEvent, SumQueryEvent
 
 __all__ = [
@@ -49,25 +49,6 @@ def _global(global_state: Any) -> GaussianGlobalState:
             f"global_state must come from initial_global_state (a GaussianGlobalState), got {type(global_state).__name__}"
         )
     return global_state
-
-
-@dataclass(frozen=True)
-class ReleasePlan:
-    """What a Gaussian query's release adds, for callers that form the clipped sum themselves.
-
-    Framework adapters (dpcore.torch) compute Σ_i min(1, S/‖x_i‖)·x_i on the device from
-    factored per-record gradients and never hand the records to the core; the plan tells them
-    the rest of McMahan et al. 2018, §1 steps 2–3, exactly as :meth:`GaussianSumQuery.
-    get_noised_result` would do it: clip each record (scaled by 1/α_j for joint clipping, §2)
-    to ``l2_norm_clip``, add N(0, ``part_stddevs[j]``²) to part j of the sum, divide by
-    ``denominator``, and record ``event`` in the ledger before returning the result.
-    """
-
-    l2_norm_clip: float
-    part_scales: Tuple[float, ...]
-    part_stddevs: Tuple[float, ...]
-    denominator: float
-    event: SumQueryEvent
 
 
 class GaussianSumQuery(DPQuery):
@@ -134,12 +115,17 @@ class GaussianSumQuery(DPQuery):
         result = st.noised([gs.stddev * a for a in scales], self._denominator(), seed)
         return result, gs, event
 
+    def get_noised_plan(
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
+    ) -> Tuple[ReleasePlan, GaussianGlobalState]:
+        """The release of a sum formed by the caller: this query's plan; the state is unchanged."""
+        return self.release_plan(global_state, num_parts), _global(global_state)
+
     def release_plan(self, global_state: Any, num_parts: int) -> ReleasePlan:
         """The plan of this query's next release over a group of ``num_parts`` arrays, for a
         caller that clips and sums the records itself (see :class:`ReleasePlan`)."""
         gs = _global(global_state)
-        if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
-            raise ValueError(f"num_parts must be an int >= 1, got {num_parts!r}")
+        check_parts(num_parts)
         if self._scales is not None and num_parts != len(self._scales):
             raise ValueError(f"the group has {num_parts} arrays but scales has {len(self._scales)} values")
         scales = self._scales or (1.0,) * num_parts

@@ -10,6 +10,7 @@ multiplier of plain DP-SGD, give the inner query a stddev of 2·z·C (the 4σ²C
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any, Optional, Tuple
 
@@ -89,6 +90,15 @@ class MicrobatchQuery(DPQuery):
         return f"MicrobatchQuery({self._inner!r}, microbatch_size={self._k}, sensitivity_factor={self._factor})"
 
     @property
+    def microbatch_size(self) -> int:
+        return self._k
+
+    @property
+    def inner(self) -> DPQuery:
+        """The wrapped query, which sees microbatch averages as its records."""
+        return self._inner
+
+    @property
     def sensitivity_factor(self) -> float:
         """2 when example-level privacy is claimed for microbatches of more than one example."""
         return self._factor
@@ -121,3 +131,22 @@ class MicrobatchQuery(DPQuery):
 
     def derive_metrics(self, global_state: Any) -> dict:
         return self._inner.derive_metrics(global_state)
+
+    # -- sums formed by the caller (see DPQuery): records are microbatch averages there too
+
+    def release_plan(self, global_state: Any, num_parts: int) -> Any:
+        plan = self._inner.release_plan(global_state, num_parts)
+        return dataclasses.replace(plan, event=scale_sensitivity(plan.event, self._factor))
+
+    def initial_norm_state(self) -> Any:
+        return self._inner.initial_norm_state()
+
+    def accumulate_norms(self, params: Any, norm_state: Any, norms: np.ndarray) -> Any:
+        return self._inner.accumulate_norms(params, norm_state, norms)
+
+    def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> Any:
+        return self._inner.merge_norm_states(norm_state_1, norm_state_2)
+
+    def get_noised_plan(self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None) -> Any:
+        plan, gs = self._inner.get_noised_plan(norm_state, global_state, num_parts, seed=seed)
+        return dataclasses.replace(plan, event=scale_sensitivity(plan.event, self._factor)), gs

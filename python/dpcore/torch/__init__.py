@@ -52,8 +52,9 @@ def make_private(
     optimizer: torch.optim.Optimizer,
     data_loader: DataLoader,
     *,
-    noise_multiplier: float,
-    max_grad_norm: Any,
+    noise_multiplier: Optional[float] = None,
+    max_grad_norm: Any = None,
+    query: Any = None,
     ledger: Optional[PrivacyLedger] = None,
     clipping: str = "flat",
     joint_scales: Any = None,
@@ -73,6 +74,14 @@ def make_private(
     methods instrumented (``optimizer.engine.remove()`` undoes it). With
     ``poisson_sampling=False`` the loader is kept and every batch is recorded as a ``shuffle``
     sample (accounted without amplification). ``seed`` is for tests only (no privacy).
+
+    ``query``: any :class:`dpcore.queries.DPQuery` tree instead of ``noise_multiplier`` and
+    ``max_grad_norm``: :class:`~dpcore.queries.GaussianAverageQuery` (flat),
+    :class:`~dpcore.queries.NestedQuery` keyed by parameter names or module prefixes (per-layer
+    or per-group clipping), :class:`~dpcore.queries.JointClipQuery`,
+    :class:`~dpcore.queries.QuantileAdaptiveClipQuery` (adaptive clipping), and a
+    :class:`~dpcore.queries.MicrobatchQuery` at the root. Its denominator should be
+    ``loader.expected_batch_size`` for an average.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
@@ -97,6 +106,7 @@ def make_private(
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
         expected_batch_size=expected,
+        query=query,
         ledger=ledger,
         clipping=clipping,
         joint_scales=joint_scales,

@@ -23,7 +23,9 @@ import torch
 from ..ledger import PrivacyLedger
 from ..mechanism import gaussian_noise
 from ..queries import (
+    DPQuery,
     GaussianAverageQuery,
+    MicrobatchQuery,
     JointClipQuery,
     NestedQuery,
     ReleasePlan,
@@ -32,6 +34,7 @@ from ..queries import (
 )
 from ..queries.base import derive_seed
 from ..queries.events import ComposedQueryEvent, SumQueryEvent
+from ..queries.microbatch import scale_sensitivity
 from ._engine import PerRecordGradients, clip_factors, clip_margin
 
 __all__ = ["DPOptimizer"]
@@ -49,17 +52,41 @@ def _positive(name: str, v: Any, allow_zero: bool = False) -> float:
 
 
 class _Group:
-    """One Gaussian query over some parameters, its global state, and its plan for a release."""
+    """One query over some parameters: its global state, and what it derived from the norms
+    of the records accumulated towards the next release (the query protocol for sums formed
+    by the caller, :class:`dpcore.queries.DPQuery`)."""
 
     def __init__(self, query: Any, members: List[int]) -> None:
         self.query = query
         self.gs = query.initial_global_state()
         self.members = members
+        self.ns = query.initial_norm_state()
 
     def plan(self) -> ReleasePlan:
-        # The clip, noise stddevs, denominator and event of the query's next release: this
-        # adapter forms the clipped sums itself, on the parameters' device.
+        # How the next release clips (clip, scales, denominator): this adapter forms the
+        # clipped sums itself, on the parameters' device.
         return self.query.release_plan(self.gs, len(self.members))
+
+
+def _leaf_members(nested: NestedQuery, names: List[str]) -> List[List[int]]:
+    """Parameter indices of each leaf of a NestedQuery whose keys are parameter names or
+    module-name prefixes ("encoder" covers "encoder.layers.0.linear1.weight")."""
+    members: List[List[int]] = []
+    owner: Dict[int, str] = {}
+    for path in nested.leaf_paths:
+        key = path.replace("/", ".")
+        mine = [k for k, n in enumerate(names) if n == key or n.startswith(key + ".") or key == "<root>"]
+        if not mine:
+            raise ValueError(f"query group {path!r} matches no trainable parameter (names: {names[:6]}...)")
+        for k in mine:
+            if k in owner:
+                raise ValueError(f"parameter {names[k]!r} is in two query groups, {owner[k]!r} and {path!r}")
+            owner[k] = path
+        members.append(mine)
+    left = [names[k] for k in range(len(names)) if k not in owner]
+    if left:
+        raise ValueError(f"parameters in no query group: {left[:6]}; every trainable parameter needs one")
+    return members
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -89,9 +116,10 @@ class DPOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         model: torch.nn.Module,
-        noise_multiplier: float,
-        max_grad_norm: Any,
-        expected_batch_size: float,
+        noise_multiplier: Optional[float] = None,
+        max_grad_norm: Any = None,
+        expected_batch_size: Optional[float] = None,
+        query: Optional[DPQuery] = None,
         ledger: Optional[PrivacyLedger] = None,
         clipping: str = "flat",
         joint_scales: Optional[Sequence[float]] = None,
@@ -107,8 +135,18 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already a DPOptimizer")
         if clipping not in CLIPPING:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
-        z = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
-        den = _positive("expected_batch_size", expected_batch_size)
+        if query is not None:
+            if not isinstance(query, DPQuery):
+                raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
+            if noise_multiplier is not None or max_grad_norm is not None or clipping != "flat" or joint_scales is not None:
+                raise ValueError("give either query= or noise_multiplier/max_grad_norm/clipping, not both")
+            z = float("nan")
+            den = float("nan") if expected_batch_size is None else _positive("expected_batch_size", expected_batch_size)
+        else:
+            if noise_multiplier is None or max_grad_norm is None or expected_batch_size is None:
+                raise TypeError("DPOptimizer needs noise_multiplier, max_grad_norm and expected_batch_size (or a query)")
+            z = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
+            den = _positive("expected_batch_size", expected_batch_size)
         if ledger is None:
             ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl"))
         if not isinstance(ledger, PrivacyLedger):
@@ -117,38 +155,57 @@ class DPOptimizer(torch.optim.Optimizer):
         self.ledger = ledger
         self.noise_multiplier = z
         self.expected_batch_size = den
-        self.clipping = clipping
+        self.clipping = clipping if query is None else "query"
         self.data_loader = data_loader
         self._seed = seed
         self._releases = 0
         self._drawn_at_release = 0
+        # A MicrobatchQuery at the root makes each record the average gradient of k examples
+        # (the engine regroups the factors); its event carries the doubled bound.
+        inner, k, self._factor = query, None, 1.0
+        if isinstance(query, MicrobatchQuery):
+            inner, k, self._factor = query.inner, query.microbatch_size, query.sensitivity_factor
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.engine = PerRecordGradients(model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first)
+        self.engine = PerRecordGradients(
+            model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first, microbatch_size=k
+        )
         self.param_names = list(self.engine.param_names)
         self._params = list(self.engine.params)
         m = len(self._params)
         if m == 0:
             raise ValueError("the optimizer has no trainable parameter in the model")
-        if clipping == "per_layer":
-            if isinstance(max_grad_norm, (list, tuple)):
-                if len(max_grad_norm) != m:
-                    raise ValueError(f"max_grad_norm has {len(max_grad_norm)} values but there are {m} parameter tensors")
-                clips = [_positive(f"max_grad_norm[{k}]", c) for k, c in enumerate(max_grad_norm)]
+        if query is None:
+            if clipping == "per_layer":
+                if isinstance(max_grad_norm, (list, tuple)):
+                    if len(max_grad_norm) != m:
+                        raise ValueError(f"max_grad_norm has {len(max_grad_norm)} values but there are {m} parameter tensors")
+                    clips = [_positive(f"max_grad_norm[{k}]", c) for k, c in enumerate(max_grad_norm)]
+                else:
+                    clips = per_layer_clip_norms(_positive("max_grad_norm", max_grad_norm), m)
+                sds = proportional_noise(z, clips)
+                inner = NestedQuery({n: GaussianAverageQuery(c, sd, den) for n, c, sd in zip(self.param_names, clips, sds)})
             else:
-                clips = per_layer_clip_norms(_positive("max_grad_norm", max_grad_norm), m)
-            sds = proportional_noise(z, clips)
-            nested = NestedQuery({n: GaussianAverageQuery(c, sd, den) for n, c, sd in zip(self.param_names, clips, sds)})
-            self.query: Any = nested
-            self._groups = [_Group(q, [k]) for k, q in enumerate(nested.leaf_queries)]
+                c = _positive("max_grad_norm", max_grad_norm)
+                if clipping == "flat":
+                    inner = GaussianAverageQuery(c, z * c, den)
+                else:
+                    if joint_scales is None or len(joint_scales) != m:
+                        raise ValueError(f"clipping='joint' needs joint_scales with one scale per parameter tensor ({m})")
+                    inner = JointClipQuery(list(joint_scales), c, z * c, denominator=den)
+            query = inner
+        self.query: Any = query
+        if isinstance(inner, NestedQuery):
+            for path, q in zip(inner.leaf_paths, inner.leaf_queries):
+                if isinstance(q, (NestedQuery, MicrobatchQuery)):
+                    raise ValueError(f"query group {path!r}: a MicrobatchQuery goes at the root of the query tree")
+            self._groups = [_Group(q, mem) for q, mem in zip(inner.leaf_queries, _leaf_members(inner, self.param_names))]
+        elif isinstance(inner, MicrobatchQuery):
+            raise ValueError("nested MicrobatchQuery: give one MicrobatchQuery at the root")
         else:
-            c = _positive("max_grad_norm", max_grad_norm)
-            if clipping == "flat":
-                self.query = GaussianAverageQuery(c, z * c, den)
-            else:
-                if joint_scales is None or len(joint_scales) != m:
-                    raise ValueError(f"clipping='joint' needs joint_scales with one scale per parameter tensor ({m})")
-                self.query = JointClipQuery(list(joint_scales), c, z * c, denominator=den)
-            self._groups = [_Group(self.query, list(range(m)))]
+            self._groups = [_Group(inner, list(range(m)))]
+        for g in self._groups:
+            g.plan()  # a query that cannot release a caller-formed sum says so now
+        self._pending: Optional[List[Tuple[ReleasePlan, Any]]] = None
         self._margins = [
             clip_margin(sum(self._params[k].numel() for k in g.members), self._params[g.members[0]].dtype)
             for g in self._groups
@@ -223,6 +280,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if b == 0:
             return 0, factors
         dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
+        states = []
         for g, margin in zip(self._groups, self._margins):
             plan = g.plan()
             tot = torch.zeros(b, dtype=torch.float64, device=dev)
@@ -233,6 +291,11 @@ class DPOptimizer(torch.optim.Optimizer):
             c = clip_factors(tot, plan.l2_norm_clip, margin) / plan.denominator
             for k in g.members:
                 factors[k] = c
+            # what the query derives from the records' norms (adaptive clipping's count)
+            norms = tot.sqrt().cpu().numpy()
+            states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms))
+        for g, st in zip(self._groups, states):  # only once every group passed its checks
+            g.ns = st
         return b, factors
 
     @torch.no_grad()
@@ -253,11 +316,21 @@ class DPOptimizer(torch.optim.Optimizer):
     def _discard(self) -> None:
         self._acc = [None] * len(self._acc)
         self._records = 0
+        self._pending = None
+        for g in self._groups:
+            g.ns = g.query.initial_norm_state()
         self.engine.clear()
 
+    def _plans(self) -> List[ReleasePlan]:
+        return [p for p, _ in self._pending] if self._pending is not None else [g.plan() for g in self._groups]
+
     def _event(self) -> Any:
-        events = [g.plan().event for g in self._groups]
-        return events[0] if self.clipping != "per_layer" else ComposedQueryEvent(tuple(events))
+        events = [p.event for p in self._plans()]
+        ev = events[0] if len(self._groups) == 1 and not isinstance(self._inner_query(), NestedQuery) else ComposedQueryEvent(tuple(events))
+        return scale_sensitivity(ev, self._factor) if self._factor != 1.0 else ev
+
+    def _inner_query(self) -> Any:
+        return self.query.inner if isinstance(self.query, MicrobatchQuery) else self.query
 
     def _start_ledger_write(self) -> Future:
         """Starts writing this release's entries (write + fsync) on a background thread.
@@ -273,8 +346,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _noise_stddevs(self) -> List[List[float]]:
         """Per group and member: the stddev of the noise of the released average, α_j·σ̃/den."""
         out = []
-        for g in self._groups:
-            plan = g.plan()
+        for plan in self._plans():
             out.append([sd / plan.denominator for sd in plan.part_stddevs])
         return out
 
@@ -363,6 +435,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 p.grad = None
             self.last_step_released = False
             return loss
+        # The queries' plans for this release: noise, event, and their next global states
+        # (adaptive clipping draws its count's noise here), committed only once released.
+        self._pending = [
+            g.query.get_noised_plan(g.ns, g.gs, len(g.members), seed=derive_seed(self._seed, self._releases, gi, 0x5EED))
+            for gi, g in enumerate(self._groups)
+        ]
         write = self._start_ledger_write()
         try:
             try:
@@ -372,12 +450,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise
             self._accumulate(b, factors)
         except BaseException:
+            self._pending = None
             write.result()  # the entry stands (over-counting is the safe side); surface the error
             raise
         self._records += b
         if drawn is not None:
             self._drawn_at_release = drawn
         self._release(write)
+        for g, (_, gs) in zip(self._groups, self._pending):
+            g.gs, g.ns = gs, g.query.initial_norm_state()
+        self._pending = None
         self._records = 0
         self.original_optimizer.step()
         self.last_step_released = True
