@@ -135,6 +135,7 @@ class PerRecordGradients:
         self.batch_first = bool(batch_first)
         self.microbatch_size = microbatch_size
         self.enabled = True
+        self.batch_hint = 0  # the last record count a layer saw (see EmbeddingRule)
         for mname, m in model.named_modules():
             if isinstance(m, _BATCH_MIXING):
                 raise ValueError(

@@ -98,31 +98,33 @@ class _EmbeddingFn(torch.autograd.Function):
 
 
 class _ConvFn(torch.autograd.Function):
-    """Unpadded convolution whose backward returns ∂L/∂x only and hands (x, ∂L/∂y) to ``sink``."""
+    """Convolution whose backward returns ∂L/∂x only and hands (x, ∂L/∂y) to ``sink``;
+    ``conf`` = (stride, padding, dilation, groups)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Any, dilation: Any, groups: int, sink: Callable) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conf: Any, sink: Callable) -> torch.Tensor:
         w = weight.detach()
         ctx.save_for_backward(x, w)
-        ctx.conf, ctx.sink = (stride, dilation, groups), sink
+        ctx.conf, ctx.sink = conf, sink
+        stride, padding, dilation, groups = conf
         nd = x.dim() - 2
         return torch.ops.aten.convolution(
-            x, w, None if bias is None else bias.detach(), stride, [0] * nd, dilation, False, [0] * nd, groups
+            x, w, None if bias is None else bias.detach(), stride, padding, dilation, False, [0] * nd, groups
         )
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None]:
         x, w = ctx.saved_tensors
-        stride, dilation, groups = ctx.conf
+        stride, padding, dilation, groups = ctx.conf
         ctx.sink(x.detach(), g.detach())
         gx = None
         if ctx.needs_input_grad[0]:
             nd = x.dim() - 2
             gx = torch.ops.aten.convolution_backward(
-                g, x, w, None, stride, [0] * nd, dilation, False, [0] * nd, groups, [True, False, False]
+                g, x, w, None, stride, padding, dilation, False, [0] * nd, groups, [True, False, False]
             )[0]
-        return gx, None, None, None, None, None, None
+        return gx, None, None, None, None
 
 
 class _AffineFn(torch.autograd.Function):
@@ -221,6 +223,11 @@ class LayerRule:
     def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active():
             return self._orig(*args, **kwargs)
+        a = args[0] if args else None
+        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+            n = a.shape[0] if (self.engine.batch_first or a.dim() < 3) else a.shape[1]
+            if n > 1:
+                self.engine.batch_hint = int(n)
         return self.forward(*args, **kwargs)
 
     def clear(self) -> None:
@@ -285,6 +292,49 @@ class LinearRule(LayerRule):
         return self.linear(x, m.weight, m.bias, wname="weight", bname="bias")
 
 
+class _TransposedLinearFn(torch.autograd.Function):
+    """y = x W + b with W of shape (in, out) (Hugging Face's ``Conv1D``): backward returns
+    ∂L/∂x only and hands (x, ∂L/∂y) to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], sink: Callable) -> torch.Tensor:
+        w = weight.detach()
+        ctx.save_for_backward(x, w)
+        ctx.sink = sink
+        y = x.matmul(w)
+        return y if bias is None else y + bias.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:
+        x, w = ctx.saved_tensors
+        ctx.sink(x.detach(), g.detach())
+        return (g.matmul(w.t()) if ctx.needs_input_grad[0] else None), None, None, None
+
+
+class TransposedLinearRule(LayerRule):
+    """Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2): a linear layer whose weight
+    is stored (in, out), so each record's weight gradient is Σ_t x_t g_tᵀ: the factored form
+    with the roles of the two factors exchanged."""
+
+    kind = "linear"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        wp, bp = self.p("weight"), self.p("bias")
+
+        def sink(a: torch.Tensor, g: torch.Tensor) -> None:
+            if wp is not None:
+                self.add(Factored(wp, g, a))
+            if bp is not None:
+                self.add(Factored(bp, None, g))
+
+        if _seq_first(self, x):
+            x = x.transpose(0, 1)
+            return _TransposedLinearFn.apply(x, _frozen(m.weight, wp), _frozen(m.bias, bp), sink).transpose(0, 1)
+        return _TransposedLinearFn.apply(x, _frozen(m.weight, wp), _frozen(m.bias, bp), sink)
+
+
 class EmbeddingRule(LayerRule):
     kind = "embedding"
 
@@ -300,6 +350,12 @@ class EmbeddingRule(LayerRule):
             raise ValueError(f"layer {self.name!r}: Embedding(sparse=True) is not supported; noise makes every row dense")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        hint = self.engine.batch_hint
+        if self.engine.batch_first and idx.dim() >= 2 and idx.shape[0] == 1 and hint > 1:
+            # One index row shared by the batch (GPT-2's position ids): its output would be
+            # broadcast over the records and its gradient summed over them; looked up per record
+            # instead, each record's rows get that record's gradient (the output is the same).
+            idx = idx.expand((hint,) + tuple(idx.shape[1:]))
         if _seq_first(self, idx, 2):
             return self._lookup(idx.transpose(0, 1)).transpose(0, 1)
         return self._lookup(idx)
@@ -316,53 +372,61 @@ class EmbeddingRule(LayerRule):
 
 
 class ConvRule(LayerRule):
-    """Conv1d/Conv2d: per-record weight gradients g_i ⊛ x_i as one batched product of the
-    output gradient with the unfolded input (the per-example form of Opacus's conv rule), in
-    chunks of records; the input gradient by ``convolution_backward`` with the weight's masked
-    off. Padding modes are applied before the tap, so the rule sees an unpadded convolution."""
+    """Conv1d/2d/3d: each record's weight gradient is the weight gradient of a grouped
+    convolution with the batch folded into the channels (groups = B·groups; the grouped-
+    convolution form of per-example conv gradients, as in ``torch.nn.utils._expanded_weights``),
+    one ``convolution_backward`` per layer, as fast as the batch weight gradient; the input
+    gradient by ``convolution_backward`` with the weight's masked off. Padding modes are applied
+    before the tap, so the rule sees an unpadded convolution."""
 
     kind = "conv"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
-        nd = 1 if isinstance(m, nn.Conv1d) else 2
+        nd = m.weight.dim() - 2
         unbatched = x.dim() == nd + 1
         if unbatched:
             x = x.unsqueeze(0)
         pad = m._reversed_padding_repeated_twice
-        if any(pad):
+        # Symmetric zero padding stays inside the convolutions (no padded copy of x).
+        inner = [pad[2 * i] for i in reversed(range(nd))]
+        symmetric = m.padding_mode == "zeros" and all(pad[2 * i] == pad[2 * i + 1] for i in range(nd))
+        if not symmetric:
+            inner = [0] * nd
             x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
         wp, bp = self.p("weight"), self.p("bias")
 
         def sink(xi: torch.Tensor, g: torch.Tensor) -> None:
-            self._capture(xi, g, wp, bp)
+            self._capture(xi, g, wp, bp, inner)
 
-        y = _ConvFn.apply(x, _frozen(m.weight, wp), _frozen(m.bias, bp), list(m.stride), list(m.dilation), m.groups, sink)
+        conf = (list(m.stride), inner, list(m.dilation), m.groups)
+        y = _ConvFn.apply(x, _frozen(m.weight, wp), _frozen(m.bias, bp), conf, sink)
         return y.squeeze(0) if unbatched else y
 
-    def _capture(self, x: torch.Tensor, g: torch.Tensor, wp: Any, bp: Any) -> None:
+    def _capture(self, x: torch.Tensor, g: torch.Tensor, wp: Any, bp: Any, padding: List[int]) -> None:
         m = self.module
         b = x.shape[0]
         if bp is not None:
             self.add(Dense(bp, g.reshape(b, g.shape[1], -1).sum(2)))
         if wp is None:
             return
-        if x.dim() == 3:  # Conv1d as a 2-D convolution of height 1
-            x, g = x.unsqueeze(2), g.unsqueeze(2)
-            k, st, dl = (1, m.kernel_size[0]), (1, m.stride[0]), (1, m.dilation[0])
-        else:
-            k, st, dl = m.kernel_size, m.stride, m.dilation
-        G, cout = m.groups, m.out_channels
-        L = g.shape[2] * g.shape[3]
-        din = (m.in_channels // G) * k[0] * k[1]
-        per = torch.empty((b, cout, din), dtype=g.dtype, device=g.device)
-        chunk = max(1, (1 << 24) // max(1, G * din * L))
+        nd = x.dim() - 2
+        w = m.weight
+        per = torch.empty((b,) + tuple(w.shape), dtype=g.dtype, device=g.device)
+        # records in chunks, so that the folded convolution's operands stay moderate
+        chunk = max(1, (1 << 26) // max(1, x[0].numel() + g[0].numel()))
         for lo in range(0, b, chunk):
             hi = min(b, lo + chunk)
-            u = F.unfold(x[lo:hi], k, dilation=dl, padding=0, stride=st).reshape(hi - lo, G, din, L)
-            gg = g[lo:hi].reshape(hi - lo, G, cout // G, L)
-            torch.matmul(gg, u.transpose(2, 3), out=per[lo:hi].view(hi - lo, G, cout // G, din))
-        self.add(Dense(wp, per.view((b,) + tuple(m.weight.shape))))
+            n = hi - lo
+            shape = (n * w.shape[0],) + tuple(w.shape[1:])
+            per[lo:hi] = torch.ops.aten.convolution_backward(
+                g[lo:hi].reshape((1, n * g.shape[1]) + tuple(g.shape[2:])),
+                x[lo:hi].reshape((1, n * x.shape[1]) + tuple(x.shape[2:])),
+                torch.empty(shape, dtype=g.dtype, device=g.device),
+                None, list(m.stride), padding, list(m.dilation), False, [0] * nd, n * m.groups,
+                [False, True, False],
+            )[1].reshape((n,) + tuple(w.shape))
+        self.add(Dense(wp, per))
 
 
 class NormRule(LayerRule):
@@ -685,12 +749,19 @@ def register_layer(module_type: type, rule: Any) -> None:
         raise TypeError(f"rule must be a LayerRule subclass or a function, got {type(rule).__name__}")
 
 
+# Types of optional libraries, matched by qualified name so that they need not be imported.
+_BY_NAME: Dict[str, Type[LayerRule]] = {"transformers.pytorch_utils.Conv1D": TransposedLinearRule}
+
+
 def rule_for(module: nn.Module) -> Optional[Type[LayerRule]]:
     """The registered rule of ``module``'s type, or of the nearest registered base type whose
     ``forward`` the type inherits unchanged; None when there is none (generic path)."""
     t = type(module)
     if t in _REGISTRY:
         return _REGISTRY[t]
+    named = _BY_NAME.get(f"{t.__module__}.{t.__qualname__}")
+    if named is not None:
+        return named
     for base in t.__mro__[1:]:
         if base in _REGISTRY and getattr(t, "forward", None) is getattr(base, "forward", None):
             return _REGISTRY[base]
@@ -702,6 +773,7 @@ for _t, _r in (
     (nn.Embedding, EmbeddingRule),
     (nn.Conv1d, ConvRule),
     (nn.Conv2d, ConvRule),
+    (nn.Conv3d, ConvRule),
     (nn.LayerNorm, NormRule),
     (nn.GroupNorm, NormRule),
     (nn.MultiheadAttention, MultiheadAttentionRule),
