@@ -228,15 +228,36 @@ class Dense(Contribution):
 # ----------------------------------------------------------------------------- norms
 
 
+def _gamma(n: int, dtype: torch.dtype) -> float:
+    """γ_n = n·u/(1 − n·u): the relative error bound of an n-term dot product in ``dtype``,
+    whatever the summation order (Higham, "Accuracy and Stability of Numerical Algorithms", §3.1)."""
+    nu = n * float(torch.finfo(dtype).eps) / 2.0
+    return nu / (1.0 - nu) if nu < 0.5 else float("inf")
+
+
+def _exact_matmul(t: torch.Tensor) -> bool:
+    """Whether a float32 matmul of ``t`` rounds in float32 (not TF32 or bfloat16 passes)."""
+    if t.dtype != torch.float32:
+        return False
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    if t.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return False
+    return True
+
+
 def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
     """Upper bounds of ‖Σ_u Σ_t g_t a_tᵀ‖² per record over same-row factored uses (one longer
     sequence). Mixed ghost clipping (Bu et al. 2023, "Differentially private optimization on
-    large model at small cost"): per record, the ghost norm Σ_{t,s}(a_t·a_s)(g_t·g_s) costs
-    T²(din+dout) and materialising g_iᵀa_i costs T·din·dout; the cheaper one is taken."""
+    large model at small cost"): per record, the ghost norm Σ_{t,s}(a_t·a_s)(g_t·g_s) (Li et
+    al. 2022) costs T²(din+dout) and materialising g_iᵀa_i costs T·din·dout; the cheaper one is
+    taken. Float32 products run in float32 (no float64 copy of the activations) with their
+    worst-case rounding error γ_n added to the bound; other dtypes in float64."""
     g = cs[0].g if len(cs) == 1 else torch.cat([c.g for c in cs], 1)
     b, t, dout = g.shape
     if cs[0].a is None:
-        gn = torch.linalg.vector_norm(g, dim=2, dtype=torch.float64)
+        (sg,) = row_sq(g.reshape(b * t, dout))
+        gn = sg.sqrt().view(b, t)
         bs = _sq(g.sum(1, dtype=torch.float64), 1)
         return (bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square()
     a = cs[0].a if len(cs) == 1 else torch.cat([c.a for c in cs], 1)
@@ -244,25 +265,42 @@ def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
     if t == 1:
         sx, sg = row_sq(a[:, 0], g[:, 0])
         return sx * sg  # ‖g_i a_iᵀ‖² = ‖a_i‖²‖g_i‖²
-    gn = torch.linalg.vector_norm(g, dim=2, dtype=torch.float64)
-    xn = torch.linalg.vector_norm(a, dim=2, dtype=torch.float64)
-    s = (xn * gn).sum(1)  # Σ_t ‖a_t‖‖g_t‖ ≥ ‖Σ_t g_t a_tᵀ‖: bounds the rounding error
+    if a.dtype != g.dtype:
+        a = a.to(g.dtype)
+    sx, sg = row_sq(a.reshape(b * t, din), g.reshape(b * t, dout))
+    s = (sx.sqrt() * sg.sqrt()).view(b, t).sum(1)  # Σ_t ‖a_t‖‖g_t‖ ≥ ‖Σ_t g_t a_tᵀ‖
+    fast = _exact_matmul(g)
     if t * (din + dout) <= din * dout:
         chunk = max(1, _CHUNK // max(1, t * (t + din + dout)))
         parts = []
         for i in range(0, b, chunk):
-            a64, g64 = a[i : i + chunk].double(), g[i : i + chunk].double()
-            parts.append((torch.bmm(a64, a64.transpose(1, 2)) * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2)))
+            ai, gi = a[i : i + chunk], g[i : i + chunk]
+            if not fast:
+                ai, gi = ai.double(), gi.double()
+            ga = torch.bmm(ai, ai.transpose(1, 2)).double()
+            gg = torch.bmm(gi, gi.transpose(1, 2)).double()
+            parts.append((ga * gg).sum((1, 2)))
         w = torch.cat(parts)
-        err = 2.0 * (din + dout + t * t + 8) * _U64 * s.square()
+        if fast:  # |Âts·Ĝts − Ats·Gts| ≤ (γ_din + γ_dout + γ_din·γ_dout)‖a_t‖‖a_s‖‖g_t‖‖g_s‖
+            ga_, gg_ = _gamma(din, g.dtype), _gamma(dout, g.dtype)
+            rel = ga_ + gg_ + ga_ * gg_
+        else:
+            rel = 0.0
+        err = (rel * (1.0 + 1e-6) + 2.0 * (din + dout + t * t + 8) * _U64) * s.square()
         return torch.minimum(w.clamp_min(0.0) + err, s.square())
     chunk = max(1, _CHUNK // max(1, din * dout + t * (din + dout)))
-    parts = [
-        _sq(torch.bmm(g[i : i + chunk].double().transpose(1, 2), a[i : i + chunk].double()), (1, 2))
-        for i in range(0, b, chunk)
-    ]
+    parts = []
+    for i in range(0, b, chunk):
+        gi, ai = g[i : i + chunk], a[i : i + chunk]
+        if not fast:
+            gi, ai = gi.double(), ai.double()
+        per = torch.bmm(gi.transpose(1, 2), ai)
+        (sq,) = row_sq(per.reshape(per.shape[0], -1))
+        parts.append(sq)
     w = torch.cat(parts)
-    return torch.minimum((w.sqrt() + 2.0 * (t + 2) * _U64 * s).square(), s.square())
+    # each entry of the float32 product is off by ≤ γ_T Σ_t |g_t,i||a_t,j|: in norm ≤ γ_T·s
+    rel = _gamma(t, g.dtype) * (1.0 + 1e-6) if fast else 0.0
+    return torch.minimum((w.sqrt() + (rel + 2.0 * (t + 2) * _U64) * s).square(), s.square())
 
 
 def _dense_sq(cs: Sequence[Contribution], b: int) -> torch.Tensor:
