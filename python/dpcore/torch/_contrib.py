@@ -303,6 +303,40 @@ def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
     return torch.minimum((w.sqrt() + (rel + 2.0 * (t + 2) * _U64) * s).square(), s.square())
 
 
+def _tied_sq(rows: Rows, fs: Sequence[Factored]) -> torch.Tensor:
+    """‖L + E‖² per record for a matrix used both as an embedding (E: rows idx_s get e_s) and
+    as a linear map (L = Σ_t g_t a_tᵀ): tied input and output embeddings of language models.
+    ‖L‖² and ‖E‖² by their own bounds, and the cross term without materialising either:
+    ⟨L, E⟩ = Σ_{t,s} g_t[idx_s]·(a_t·e_s) (the ghost-norm idea applied to the pair).
+    Each term is bounded above, so their sum bounds ‖L + E‖²."""
+    wl = _factored_sq(fs)
+    we = rows.sq_norms()
+    g = fs[0].g if len(fs) == 1 else torch.cat([c.g for c in fs], 1)
+    a = fs[0].a if len(fs) == 1 else torch.cat([c.a for c in fs], 1)  # type: ignore[list-item]
+    assert a is not None
+    b, t, _ = g.shape
+    idx, e = rows.idx, rows.g.to(a.dtype)
+    sl = (torch.linalg.vector_norm(a, dim=2, dtype=torch.float64) * torch.linalg.vector_norm(g, dim=2, dtype=torch.float64)).sum(1)
+    se = torch.linalg.vector_norm(e, dim=2, dtype=torch.float64).sum(1)
+    n = idx.shape[1]
+    fast = _exact_matmul(a)
+    chunk = max(1, _CHUNK // max(1, t * n * 4 + t * g.shape[2]))
+    parts = []
+    for i in range(0, b, chunk):
+        sel = torch.gather(g[i : i + chunk], 2, idx[i : i + chunk].unsqueeze(1).expand(-1, t, n))
+        ai, ei = a[i : i + chunk], e[i : i + chunk]
+        if not fast:
+            ai, ei = ai.double(), ei.double()
+        ae = torch.bmm(ai, ei.transpose(1, 2))
+        parts.append((sel.double() * ae.double()).sum((1, 2)))
+    cross = torch.cat(parts)
+    rel = _gamma(a.shape[2], a.dtype) * (1.0 + 1e-6) if fast else 0.0
+    err = (rel + 2.0 * (a.shape[2] + t * n + 8) * _U64) * sl * se
+    total = wl + we + 2.0 * (cross + err)
+    cap = (wl.sqrt() + we.sqrt()).square()
+    return torch.minimum(total.clamp_min(0.0), cap)
+
+
 def _dense_sq(cs: Sequence[Contribution], b: int) -> torch.Tensor:
     """‖Σ_u g_u‖² per record by materialising every use in float64, plus their error bounds."""
     param = cs[0].param
@@ -374,6 +408,18 @@ def param_sq_norms(cs: List[Contribution], b: int) -> Tuple[torch.Tensor, List[C
             r = Rows(param, torch.cat([c.idx for c in group], 1), torch.cat([c.g for c in group], 1))  # type: ignore[attr-defined]
             total = total + r.sq_norms()
             group = [r]
+        elif (
+            same
+            and kinds == {Rows, Factored}
+            and group[0].rows is None
+            and all(c.a is not None for c in group if isinstance(c, Factored))  # type: ignore[union-attr]
+            and len({c.a.shape[2] for c in group if isinstance(c, Factored)}) == 1  # type: ignore[union-attr]
+        ):
+            rs = [c for c in group if isinstance(c, Rows)]
+            fs = [c for c in group if isinstance(c, Factored)]
+            r = rs[0] if len(rs) == 1 else Rows(param, torch.cat([c.idx for c in rs], 1), torch.cat([c.g for c in rs], 1))
+            total = total + _tied_sq(r, fs)
+            group = [r, *fs]
         elif len(group) == 1 and isinstance(group[0], Dense):
             (s,) = row_sq(group[0].per.reshape(b, -1))
             total = total + s
