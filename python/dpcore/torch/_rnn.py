@@ -1,0 +1,275 @@
+"""LSTM, GRU and RNN layers whose backward through time hands out per-record gate gradients.
+
+PyTorch's fused recurrent kernels return only the batch-summed weight gradients. Here each
+(layer, direction) runs as one autograd function: the forward loop computes the module's own
+outputs from its own parameters; the backward loop is written out by hand (the standard
+backpropagation-through-time recursions) and, instead of the weight gradients, hands the
+pre-activation gradients of every step to ``sink``:
+
+    sink(layer, direction, x, h_prev, d_ih, d_hh)
+
+with x (B, T, in) the step inputs, h_prev (B, T, H) the hidden state entering each step, and
+d_ih, d_hh (B, T, G·H) the gradients of x_t W_ihᵀ + b_ih and h_{t−1} W_hhᵀ + b_hh, in PyTorch's
+gate order (G = 4 for LSTM i, f, g, o; 3 for GRU r, z, n; 1 for RNN). Each record's gradient of
+weight_ih is then Σ_t d_ih,t x_tᵀ, of weight_hh Σ_t d_hh,t h_{t−1}ᵀ, of the biases Σ_t d: the
+factored form of a linear layer applied at T positions. The steps of the reverse direction are
+handed over in processing order, which these sums do not depend on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.utils.rnn import PackedSequence
+
+__all__ = ["recurrent_forward"]
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+
+
+def _lstm_forward(xw: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh_t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    t_len, b, g4 = xw.shape
+    hs = h.new_empty((t_len + 1, b, h.shape[1]))
+    cs = c.new_empty((t_len + 1, b, c.shape[1]))
+    gates = xw  # overwritten in place with the activated gates
+    hs[0], cs[0] = h, c
+    hid = h.shape[1]
+    for t in range(t_len):
+        gt = gates[t]
+        gt.addmm_(hs[t], w_hh_t)
+        gt[:, : 2 * hid].sigmoid_()
+        gt[:, 2 * hid : 3 * hid].tanh_()
+        gt[:, 3 * hid :].sigmoid_()
+        i, f, g, o = gt[:, :hid], gt[:, hid : 2 * hid], gt[:, 2 * hid : 3 * hid], gt[:, 3 * hid :]
+        torch.addcmul(f * cs[t], i, g, out=cs[t + 1])
+        torch.mul(o, torch.tanh(cs[t + 1]), out=hs[t + 1])
+    return hs, cs, gates
+
+
+def _lstm_backward(dout: torch.Tensor, dh: torch.Tensor, dc: torch.Tensor, hs: torch.Tensor, cs: torch.Tensor, gates: torch.Tensor, w_hh: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t_len = dout.shape[0]
+    hid = dh.shape[1]
+    d = torch.empty_like(gates)
+    for t in range(t_len - 1, -1, -1):
+        gt = gates[t]
+        i, f, g, o = gt[:, :hid], gt[:, hid : 2 * hid], gt[:, 2 * hid : 3 * hid], gt[:, 3 * hid :]
+        dh = dh + dout[t]
+        tc = torch.tanh(cs[t + 1])
+        dc = dc + dh * o * (1 - tc * tc)
+        dt = d[t]
+        torch.mul(dc * g, i * (1 - i), out=dt[:, :hid])
+        torch.mul(dc * cs[t], f * (1 - f), out=dt[:, hid : 2 * hid])
+        torch.mul(dc * i, 1 - g * g, out=dt[:, 2 * hid : 3 * hid])
+        torch.mul(dh * tc, o * (1 - o), out=dt[:, 3 * hid :])
+        dc = dc * f
+        dh = dt.matmul(w_hh)
+    return d, dh, dc
+
+
+def _gru_forward(xw: torch.Tensor, h: torch.Tensor, w_hh_t: torch.Tensor, b_hh: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    t_len, b, _ = xw.shape
+    hid = h.shape[1]
+    hs = h.new_empty((t_len + 1, b, hid))
+    gh_n = h.new_empty((t_len, b, hid))
+    rzn = xw  # overwritten with the activated r, z, n
+    hs[0] = h
+    for t in range(t_len):
+        gh = hs[t].matmul(w_hh_t) if b_hh is None else torch.addmm(b_hh, hs[t], w_hh_t)
+        x = rzn[t]
+        x[:, : 2 * hid].add_(gh[:, : 2 * hid]).sigmoid_()
+        r, z = x[:, :hid], x[:, hid : 2 * hid]
+        gh_n[t] = gh[:, 2 * hid :]
+        n = x[:, 2 * hid :]
+        n.addcmul_(r, gh_n[t]).tanh_()
+        # h' = (1 − z)·n + z·h = n + z·(h − n)
+        torch.addcmul(n, z, hs[t] - n, out=hs[t + 1])
+    return hs, rzn, gh_n
+
+
+def _gru_backward(dout: torch.Tensor, dh: torch.Tensor, hs: torch.Tensor, rzn: torch.Tensor, gh_n: torch.Tensor, w_hh: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t_len = dout.shape[0]
+    hid = dh.shape[1]
+    d_ih = torch.empty_like(rzn)
+    d_hh = torch.empty_like(rzn)
+    for t in range(t_len - 1, -1, -1):
+        x = rzn[t]
+        r, z, n = x[:, :hid], x[:, hid : 2 * hid], x[:, 2 * hid :]
+        dh = dh + dout[t]
+        dn_pre = dh * (1 - z) * (1 - n * n)
+        di, dhh = d_ih[t], d_hh[t]
+        torch.mul(dn_pre * gh_n[t], r * (1 - r), out=di[:, :hid])
+        torch.mul(dh * (hs[t] - n), z * (1 - z), out=di[:, hid : 2 * hid])
+        di[:, 2 * hid :] = dn_pre
+        dhh[:, : 2 * hid] = di[:, : 2 * hid]
+        torch.mul(dn_pre, r, out=dhh[:, 2 * hid :])
+        dh = torch.addmm(dh * z, dhh, w_hh)
+    return d_ih, d_hh, dh
+
+
+def _rnn_forward(xw: torch.Tensor, h: torch.Tensor, w_hh_t: torch.Tensor, relu: bool) -> torch.Tensor:
+    t_len, b, hid = xw.shape
+    hs = h.new_empty((t_len + 1, b, hid))
+    hs[0] = h
+    for t in range(t_len):
+        pre = torch.addmm(xw[t], hs[t], w_hh_t)
+        torch.clamp_min(pre, 0.0, out=hs[t + 1]) if relu else torch.tanh(pre, out=hs[t + 1])
+    return hs
+
+
+def _rnn_backward(dout: torch.Tensor, dh: torch.Tensor, hs: torch.Tensor, w_hh: torch.Tensor, relu: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    t_len = dout.shape[0]
+    d = torch.empty_like(dout)
+    for t in range(t_len - 1, -1, -1):
+        dh = dh + dout[t]
+        y = hs[t + 1]
+        torch.mul(dh, (y > 0).to(y.dtype) if relu else 1 - y * y, out=d[t])
+        dh = d[t].matmul(w_hh)
+    return d, dh
+
+
+class _RecurrentFn(torch.autograd.Function):
+    """One layer and direction over the whole sequence (time-major inside)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], anchor: torch.Tensor, w: Tuple[Any, ...], conf: Tuple[Any, ...]) -> Tuple[torch.Tensor, ...]:
+        mode, reverse, sink = conf
+        w_ih, w_hh, b_ih, b_hh = w
+        xt = x.transpose(0, 1)  # (T, B, in)
+        if reverse:
+            xt = xt.flip(0)
+        xw = xt.matmul(w_ih.t()) if b_ih is None else torch.addmm(b_ih, xt.reshape(-1, xt.shape[2]), w_ih.t()).view(xt.shape[0], xt.shape[1], -1)
+        xw = xw.contiguous()
+        w_hh_t = w_hh.t()
+        if mode == "LSTM":
+            if b_hh is not None:
+                xw += b_hh
+            hs, cs, gates = _lstm_forward(xw, h0, c0, w_hh_t)
+            saved: Tuple[torch.Tensor, ...] = (hs, cs, gates)
+            c_last = cs[-1]
+        elif mode == "GRU":
+            hs, rzn, gh_n = _gru_forward(xw, h0, w_hh_t, b_hh)
+            saved = (hs, rzn, gh_n)
+            c_last = None
+        else:
+            if b_hh is not None:
+                xw += b_hh
+            hs = _rnn_forward(xw, h0, w_hh_t, mode == "RNN_RELU")
+            saved = (hs,)
+            c_last = None
+        ctx.saved = saved
+        ctx.x, ctx.w, ctx.conf = x, w, conf
+        out = hs[1:]
+        if reverse:
+            out = out.flip(0)
+        out = out.transpose(0, 1)
+        if c_last is None:
+            return out, hs[-1].clone()
+        return out, hs[-1].clone(), c_last.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor, dh_n: Optional[torch.Tensor], dc_n: Optional[torch.Tensor] = None) -> Tuple[Any, ...]:
+        mode, reverse, sink = ctx.conf
+        w_ih, w_hh, _, _ = ctx.w
+        saved = ctx.saved
+        hs = saved[0]
+        dt = dout.transpose(0, 1)
+        if reverse:
+            dt = dt.flip(0)
+        dh = torch.zeros_like(hs[0]) if dh_n is None else dh_n
+        dc0 = None
+        if mode == "LSTM":
+            dc = torch.zeros_like(hs[0]) if dc_n is None else dc_n
+            d_ih, dh0, dc0 = _lstm_backward(dt, dh, dc, hs, saved[1], saved[2], w_hh)
+            d_hh = d_ih
+        elif mode == "GRU":
+            d_ih, d_hh, dh0 = _gru_backward(dt, dh, hs, saved[1], saved[2], w_hh)
+        else:
+            d_ih, dh0 = _rnn_backward(dt, dh, hs, w_hh, mode == "RNN_RELU")
+            d_hh = d_ih
+        del ctx.saved
+        x = ctx.x
+        xt = x.transpose(0, 1)
+        if reverse:
+            xt = xt.flip(0)
+        # records first for the sink; the steps of a reverse direction stay in processing order
+        sink(xt.transpose(0, 1), hs[:-1].transpose(0, 1), d_ih.transpose(0, 1), d_hh.transpose(0, 1))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dxt = d_ih.matmul(w_ih)
+            if reverse:
+                dxt = dxt.flip(0)
+            dx = dxt.transpose(0, 1)
+        return dx, dh0, dc0, None, None, None
+
+
+def recurrent_forward(module: nn.RNNBase, input: Any, hx: Any = None, *, sink: Callable[..., None], anchor: Optional[torch.Tensor] = None) -> Any:
+    """``module(input, hx)`` computed from the module's own parameters, with ``sink(layer,
+    direction, x, h_prev, d_ih, d_hh)`` called in the backward pass (see the module docstring).
+    Same outputs as PyTorch's LSTM/GRU/RNN: multi-layer, bidirectional, batch_first or not,
+    unbatched input, dropout between layers in training mode."""
+    if isinstance(input, PackedSequence):
+        raise TypeError(
+            f"{type(module).__name__}: PackedSequence inputs are not supported by dpcore.torch; pad the "
+            "sequences (per-record gradients of padded steps are exact when the loss ignores them)"
+        )
+    mode = module.mode
+    if mode not in _GATES:
+        raise ValueError(f"unsupported recurrent mode {mode!r}")
+    if getattr(module, "proj_size", 0):
+        raise ValueError("LSTM with proj_size > 0 is not supported")
+    if anchor is None:
+        anchor = torch.ones((), requires_grad=True)
+    unbatched = input.dim() == 2
+    x = input.unsqueeze(0) if unbatched else (input if module.batch_first else input.transpose(0, 1))
+    b = x.shape[0]
+    nd = 2 if module.bidirectional else 1
+    hid = module.hidden_size
+    lstm = mode == "LSTM"
+    if hx is None:
+        h0 = x.new_zeros((module.num_layers * nd, b, hid))
+        c0 = h0 if lstm else None
+    else:
+        h0, c0 = (hx if lstm else (hx, None))
+        if unbatched:
+            h0 = h0.unsqueeze(1)
+            c0 = c0.unsqueeze(1) if c0 is not None else None
+    hn: List[torch.Tensor] = []
+    cn: List[torch.Tensor] = []
+    layer_in = x
+    for layer in range(module.num_layers):
+        outs = []
+        for direction in range(nd):
+            sfx = f"_l{layer}" + ("_reverse" if direction else "")
+            w = tuple(
+                None if getattr(module, name + sfx, None) is None else getattr(module, name + sfx).detach()
+                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+            )
+            k = layer * nd + direction
+
+            def layer_sink(xx: torch.Tensor, hp: torch.Tensor, di: torch.Tensor, dhh: torch.Tensor, _l: int = layer, _d: int = direction) -> None:
+                sink(_l, _d, xx, hp, di, dhh)
+
+            res = _RecurrentFn.apply(
+                layer_in, h0[k], None if c0 is None else c0[k], anchor, w, (mode, direction == 1, layer_sink)
+            )
+            outs.append(res[0])
+            hn.append(res[1])
+            if lstm:
+                cn.append(res[2])
+        layer_in = outs[0] if nd == 1 else torch.cat(outs, 2)
+        if module.dropout > 0 and module.training and layer < module.num_layers - 1:
+            layer_in = F.dropout(layer_in, p=module.dropout, training=True)
+    out = layer_in
+    h_n = torch.stack(hn, 0)
+    c_n = torch.stack(cn, 0) if lstm else None
+    if unbatched:
+        out, h_n = out.squeeze(0), h_n.squeeze(1)
+        c_n = c_n.squeeze(1) if c_n is not None else None
+    elif not module.batch_first:
+        out = out.transpose(0, 1)
+    return (out, (h_n, c_n)) if lstm else (out, h_n)
