@@ -1,167 +1,384 @@
-"""DP-SGD step time on CPU, side by side in one run: dpcore.torch vs plain torch vs Opacus.
+"""DP-SGD step time and peak memory, side by side in one run: dpcore.torch vs plain torch vs Opacus.
 
-MLP 784-1024-256-10 (1.07M parameters) at batch 256: non-private torch (the anchor), dpcore.torch
-(factored fast path, flat clipping, noise from the core, ledger fsync every step), Opacus
-grad_sample_mode="hooks" and "ghost" (skipped when opacus is not installed). Then the generic
-vmap path on a small conv net against Opacus hooks. Ratios to the anchor.
+Three models, each in four configurations (SGD, noise multiplier 1.0, max grad norm 1.0):
 
-The contenders run in alternating blocks of --block steps (--rounds rounds), and each one's time
-per step is the median over its blocks: the machine's load drifts within a run, and alternating
-spreads the drift over all of them. A block's time ends only once dpcore's background work (the
-next release's noise, drawn while torch computes) has finished, so that work is counted in
-dpcore's time and never in the next contender's. Opacus hooks is ~70x slower and is timed in
-shorter blocks. ``python benches/bench_torch.py [--rounds 9] [--block 8]``.
+* transformer: Embedding(8000, 256) -> 2 x TransformerEncoderLayer(256, 4 heads, ff 1024, no
+  dropout) -> mean over positions -> Linear(256, 2); batch 32, length 128, random token ids.
+* cnn: 4 x (Conv2d 3x3 + GroupNorm(8, ch) + ReLU), channels 3-32-32-64-64 -> mean pool ->
+  Linear(64, 10); 32x32x3 inputs, batch 64.
+* lstm: Embedding(5000, 128) -> LSTM(128, 256, 2 layers) -> last output -> Linear(256, 2);
+  batch 32, length 64.
+* mlp: 784-1024-256-10 at batch 256 (the model of the first torch issue, kept as a regression check).
+
+Configurations: ``non-private`` (the anchor: zero_grad, forward, loss, backward, step over a
+shuffled DataLoader), ``dpcore`` (``dpcore.torch.make_private``: Poisson batches from the core's
+sampler, clipping, noise from the core, ledger fsync every step), ``opacus-hooks`` and
+``opacus-ghost`` (``PrivacyEngine.make_private`` after ``ModuleValidator.fix``, which swaps in
+DPMultiheadAttention and DPLSTM; ghost computes the loss with the criterion wrapper Opacus
+returns). Every model starts from the same seed in every configuration, and every timed step
+includes drawing its batch from the configuration's loader (a DataLoader over 50·B records with
+batch size B, so the DP loaders' expected batch is B).
+
+Each configuration runs in its own subprocess (``--one MODEL CONFIG``), so peak memory is its
+own: the child does warm-up steps, then timed steps until ``--steps`` or its time budget
+(``--budget`` seconds, so that Opacus hooks on the LSTM, seconds per step, takes fewer steps),
+and prints one JSON line: per-step times, median ms, and peak memory (RSS from getrusage on CPU,
+``torch.cuda.max_memory_allocated`` on CUDA). The parent runs the children model by model in
+``--rounds`` rounds, the configurations' order reversed every other round (the machine's load
+drifts, and alternating spreads the drift over all of them), pools each configuration's step
+times and prints a table per model: median ms, ratio to non-private, peak memory, and dpcore
+against the faster Opacus mode, beside the targets (judged on wall time). The median process CPU
+time per step is shown too: on a shared machine other processes' load stretches wall time much
+more than it stretches CPU time, so a CPU ratio far from the wall ratio flags a disturbed run.
+A configuration that fails (dpcore refusing a layer, an Opacus error) shows the first line of its
+error in the table. Peak RSS of the DP configurations grows with the number of steps (Poisson
+batches vary in size), and slower configurations take fewer steps in their budget: compare
+memory with that in mind.
+
+``python benches/bench_torch.py [--models cnn lstm] [--configs ...] [--steps 40] [--budget 12]
+[--rounds 2] [--device auto|cpu|cuda] [--quick] [--json out.json]``. The default run takes about
+7 minutes on 2 CPU cores (``--quick``: about 1.5).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import statistics
-import tempfile
+import subprocess
+import sys
 import time
+import traceback
 import warnings
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
-import dpcore
-from dpcore.torch import DPOptimizer
-
-torch.set_num_threads(2)
-warnings.filterwarnings("ignore")
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
-def convnet() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 7 * 7, 10),
-    )
-
-
-def block_time(step, n: int) -> float:
-    """Seconds per step over n consecutive steps, background work of the last one included."""
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    settle = getattr(step, "settle", None)
-    if settle is not None:
-        settle()
-    return (time.perf_counter() - t) / n
+MODELS = ("transformer", "cnn", "lstm", "mlp")
+CONFIGS = ("non-private", "dpcore", "opacus-hooks", "opacus-ghost")
+LABELS = {"non-private": "non-private torch", "dpcore": "dpcore.torch", "opacus-hooks": "Opacus hooks",
+          "opacus-ghost": "Opacus ghost"}
+DESCRIPTION = {
+    "transformer": "Embedding(8000,256) + 2 x TransformerEncoderLayer(256, 4 heads, ff 1024) + Linear(256,2), "
+                   "batch 32, length 128",
+    "cnn": "4 x (Conv2d 3x3 + GroupNorm + ReLU) 3-32-32-64-64 + Linear(64,10), 32x32x3, batch 64",
+    "lstm": "Embedding(5000,128) + LSTM(128, 256, 2 layers) + Linear(256,2), batch 32, length 64",
+    "mlp": "MLP 784-1024-256-10 (1.07M parameters), batch 256 (the first torch issue's model)",
+}
+# dpcore's targets: step time at most this multiple of non-private torch
+TARGET_VS_PLAIN = {"transformer": 1.4, "cnn": 1.5, "lstm": 3.0, "mlp": 1.5}
+# ... and at least this many times faster than Opacus on DPLSTM (the faster of its two modes)
+TARGET_VS_OPACUS = {"lstm": 10.0}
+RESULT = "BENCH-RESULT "
+RECORDS_PER_BATCH = 50  # dataset of 50·B records with batch size B: q = 1/50, expected batch B
+SEED = 0
 
 
-def timed(rows, rounds: int, block: int) -> dict:
-    """Median ms per step of each (name, step) row, the rows run in alternating blocks."""
-    live = [(name, s) for name, s in rows if s is not None]
-    for _, s in live:
-        block_time(s, 3)
-    per = {name: [] for name, _ in live}
-    for _ in range(rounds):
-        for name, s in live:
-            n = max(1, block // getattr(s, "slow", 1))
-            per[name].append(block_time(s, n))
-    return {name: statistics.median(v) * 1e3 for name, v in per.items()}
+# -- models and data ---------------------------------------------------------------------------
 
 
-def report(rows, times) -> None:
-    base = None
-    for name, s in rows:
-        if s is None:
-            print(f"  {name:28s}  skipped (opacus not installed)")
-            continue
-        ms = times[name]
-        base = base or ms
-        print(f"  {name:28s} {ms:8.2f} ms   {ms / base:6.2f}x non-private")
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8000, 256)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(256, nhead=4, dim_feedforward=1024, batch_first=True, dropout=0.0)
+            for _ in range(2)
+        )
+        self.fc = nn.Linear(256, 2)
+
+    def forward(self, x: Any) -> Any:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.fc(h.mean(dim=1))
 
 
-def plain_step(model, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        chans = (3, 32, 32, 64, 64)
+        blocks: List[nn.Module] = []
+        for a, b in zip(chans, chans[1:]):
+            blocks += [nn.Conv2d(a, b, 3, padding=1), nn.GroupNorm(8, b), nn.ReLU()]
+        self.features = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, 10)
 
-    def step():
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    return step
-
-
-def dpcore_step(model, x, y, mode="auto"):
-    led = dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="bench-"), "ledger.jsonl"))
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model=model, noise_multiplier=1.0,
-                      max_grad_norm=1.0, expected_batch_size=len(x), ledger=led, grad_sample_mode=mode)
-    n = 60_000
-
-    def step():
-        led.record_sample(n, len(x) / n)  # what DPDataLoader does; the sampling itself is not timed
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    def settle():
-        pending = opt._next_noise
-        if pending is not None:
-            pending[2].result()
-
-    step.settle = settle
-    return step
+    def forward(self, x: Any) -> Any:
+        return self.fc(self.features(x).mean(dim=(2, 3)))
 
 
-def opacus_step(model, x, y, mode):
-    try:
-        from opacus import PrivacyEngine
-    except ImportError:
-        return None
-    ds = torch.utils.data.TensorDataset(x, y)
-    dl = torch.utils.data.DataLoader(ds, batch_size=len(x))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    pe = PrivacyEngine()
-    crit = nn.CrossEntropyLoss()
-    if mode == "ghost":
-        model, opt, crit, dl = pe.make_private(module=model, optimizer=opt, data_loader=dl, criterion=crit,
-                                               noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost",
-                                               poisson_sampling=False)
+class LSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5000, 128)
+        self.lstm = nn.LSTM(128, 256, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(256, 2)
+
+    def forward(self, x: Any) -> Any:
+        out, _ = self.lstm(self.emb(x))
+        return self.fc(out[:, -1])
+
+
+def _build(name: str) -> Tuple[Any, int, Callable[[int], Tuple[Any, Any]]]:
+    """(model, batch size B, make_data(n) -> (inputs, labels)), the model initialised from SEED."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    if name == "transformer":
+        ctor, b = Transformer, 32
+        make = lambda n: (torch.randint(0, 8000, (n, 128), generator=g), torch.randint(0, 2, (n,), generator=g))
+    elif name == "cnn":
+        ctor, b = CNN, 64
+        make = lambda n: (torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+    elif name == "mlp":
+        ctor, b = (lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))), 256
+        make = lambda n: (torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
+    elif name == "lstm":
+        ctor, b = LSTM, 32
+        make = lambda n: (torch.randint(0, 5000, (n, 64), generator=g), torch.randint(0, 2, (n,), generator=g))
     else:
-        model, opt, dl = pe.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0,
-                                         max_grad_norm=1.0, grad_sample_mode=mode, poisson_sampling=False)
+        raise ValueError(f"unknown model {name!r}")
+    torch.manual_seed(SEED)
+    return ctor(), b, make
 
-    def step():
+
+# -- one configuration, in its own process -------------------------------------------------------
+
+
+def _forever(loader: Any):
+    while True:
+        yield from loader
+
+
+def _setup(config: str, model: Any, loader: Any, device: Any) -> Tuple[Callable[[Any], None], Any]:
+    """(step(batch), the loader to draw batches from) for one configuration."""
+    crit: Any = nn.CrossEntropyLoss()
+    if config == "non-private":
+        model = model.to(device)
+        opt: Any = torch.optim.SGD(model.parameters(), lr=0.01)
+    elif config == "dpcore":
+        import dpcore.torch
+
+        model = model.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt, loader = dpcore.torch.make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    elif config in ("opacus-hooks", "opacus-ghost"):
+        from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
+
+        model = ModuleValidator.fix(model).to(device)  # DPMultiheadAttention, DPLSTM (weights copied)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        pe = PrivacyEngine()
+        if config == "opacus-ghost":
+            model, opt, crit, loader = pe.make_private(
+                module=model, optimizer=opt, data_loader=loader, criterion=crit,
+                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost")
+        else:
+            model, opt, loader = pe.make_private(
+                module=model, optimizer=opt, data_loader=loader,
+                noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="hooks")
+    else:
+        raise ValueError(f"unknown configuration {config!r}")
+    model.train()
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad()
-        crit(model(x), y).backward()
+        loss = crit(model(x), y)  # Opacus ghost: its criterion wrapper, whose backward() clips
+        loss.backward()
         opt.step()
 
-    if mode == "hooks":
-        step.slow = 8  # shorter blocks: ~70x the others' step time
-    return step
+    return step, loader
+
+
+def _peak_mib(device: Any) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_one(model_name: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    warnings.filterwarnings("ignore")
+    out: Dict[str, Any] = {"model": model_name, "config": config, "device": str(device),
+                           "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        model, b, make = _build(model_name)
+        out["params"] = sum(p.numel() for p in model.parameters())
+        out["init_sum"] = float(sum(p.detach().double().sum() for p in model.parameters()))  # same in every config
+        x, y = make(RECORDS_PER_BATCH * b)
+        ds = torch.utils.data.TensorDataset(x, y)
+        loader = torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True, drop_last=True)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with warnings.catch_warnings(record=True) as caught:  # dpcore's notices (e.g. FallbackWarning) are shown
+            warnings.simplefilter("always")
+            step, loader = _setup(config, model, loader, device)
+            batches = _forever(loader)
+            for _ in range(args.warmup):  # the first steps allocate, pick kernels, start dpcore's noise pipeline
+                t = time.perf_counter()
+                step(next(batches))
+                sync()
+                if time.perf_counter() - t > args.budget / 4:
+                    break  # a slow configuration: one warm-up step is enough
+        out["notes"] = sorted({str(w.message).strip().splitlines()[0] for w in caught
+                               if w.category.__module__.startswith("dpcore") and str(w.message).strip()})
+        if config.startswith("opacus"):
+            import opacus
+
+            out["opacus"] = opacus.__version__
+        times: List[float] = []
+        cpu: List[float] = []
+        t_end = time.perf_counter() + args.budget
+        while len(times) < args.steps and (len(times) < args.min_steps or time.perf_counter() < t_end):
+            t, c = time.perf_counter(), time.process_time()
+            step(next(batches))  # the batch is drawn inside the timed step
+            sync()
+            times.append((time.perf_counter() - t) * 1e3)
+            cpu.append((time.process_time() - c) * 1e3)
+        out.update(times=times, ms=statistics.median(times), steps=len(times), cpu_times=cpu,
+                   cpu_ms=statistics.median(cpu),
+                   peak_mib=_peak_mib(device), mem="cuda" if device.type == "cuda" else "rss")
+    except Exception as e:  # reported in the table, not raised
+        traceback.print_exc(file=sys.stderr)
+        first = (str(e).strip().splitlines() or [""])[0]
+        out["error"] = f"{type(e).__name__}: {first}"
+    return out
+
+
+# -- the parent ----------------------------------------------------------------------------------
+
+
+def _child(model_name: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", model_name, config, "--device", args.device,
+           "--steps", str(args.steps), "--min-steps", str(args.min_steps), "--warmup", str(args.warmup),
+           "--budget", str(args.budget), "--threads", str(args.threads)]
+    # generous: warm-up and the minimum steps may overrun the budget (Opacus hooks on the LSTM)
+    timeout = 120 + 4 * args.budget
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model_name, "config": config, "error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    err = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    return {"model": model_name, "config": config,
+            "error": f"child exited with {p.returncode}: {err[-1] if err else 'no output'}"}
+
+
+def _merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration's rounds: step times pooled, the largest peak; the first error if any."""
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        return bad[0]
+    r = dict(runs[0])
+    r["times"] = [t for x in runs for t in x["times"]]
+    r["ms"] = statistics.median(r["times"])
+    r["steps"] = len(r["times"])
+    r["cpu_times"] = [t for x in runs for t in x["cpu_times"]]
+    r["cpu_ms"] = statistics.median(r["cpu_times"])
+    r["peak_mib"] = max(x["peak_mib"] for x in runs)
+    r["notes"] = sorted({n for x in runs for n in x.get("notes", [])})
+    return r
+
+
+def _mark(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def report(model_name: str, res: Dict[str, Dict[str, Any]], device: str) -> None:
+    any_ok = next((r for r in res.values() if "error" not in r), {})
+    params = any_ok.get("params")
+    print(f"\n{model_name}: {DESCRIPTION[model_name]}" + (f", {params / 1e6:.2f}M parameters" if params else ""))
+    mem = "peak GPU MiB" if device.startswith("cuda") else "peak RSS MiB"
+    print(f"  {'configuration':18s} {'median ms':>10s} {'vs non-private':>15s} {'cpu ms':>8s} {'(ratio)':>8s} "
+          f"{'steps':>6s} {mem:>13s}  target")
+    base = res.get("non-private")
+    base_ok = base is not None and "error" not in base
+    for cfg, r in res.items():
+        if "error" in r:
+            print(f"  {LABELS[cfg]:18s} failed: {r['error'][:200]}")
+            continue
+        ratio = f"{r['ms'] / base['ms']:.2f}x" if base_ok else "-"
+        cpu_ratio = f"{r['cpu_ms'] / base['cpu_ms']:.2f}x" if base_ok else "-"
+        target = ""
+        if cfg == "dpcore" and base_ok:
+            lim = TARGET_VS_PLAIN[model_name]
+            target = f"<= {lim}x non-private: {_mark(r['ms'] / base['ms'] <= lim)}"
+        print(f"  {LABELS[cfg]:18s} {r['ms']:10.1f} {ratio:>15s} {r['cpu_ms']:8.1f} {cpu_ratio:>8s} {r['steps']:6d} "
+              f"{r['peak_mib']:13.0f}  {target}")
+    dp = res.get("dpcore")
+    ops = [(c, res[c]) for c in ("opacus-hooks", "opacus-ghost") if c in res and "error" not in res[c]]
+    if dp is not None and "error" not in dp and ops:
+        c, fast = min(ops, key=lambda cr: cr[1]["ms"])
+        ratio = dp["ms"] / fast["ms"]
+        line = (f"  dpcore vs the faster Opacus mode ({LABELS[c]}): {ratio:.2f}x its time ({1 / ratio:.1f}x faster); "
+                f"target faster: {_mark(ratio < 1)}")
+        if model_name in TARGET_VS_OPACUS:
+            lim = TARGET_VS_OPACUS[model_name]
+            line += f"; target >= {lim:.0f}x faster than DPLSTM: {_mark(1 / ratio >= lim)}"
+        print(line)
+    elif dp is not None and ops:
+        print("  dpcore vs Opacus: - (dpcore failed)")
+    for n in (dp or {}).get("notes", []):
+        print(f"  dpcore note: {n[:200]}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--block", type=int, default=8)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--steps", type=int, default=None, help="at most this many timed steps per configuration and round")
+    ap.add_argument("--min-steps", type=int, default=None, help="at least this many, whatever the budget")
+    ap.add_argument("--budget", type=float, default=None, help="seconds of timed steps per configuration and round")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a few steps each: a smoke test")
+    ap.add_argument("--json", help="also write every configuration's result to this file")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    x, y = torch.randn(256, 784), torch.randint(0, 10, (256,))
-    rows = [("non-private torch", plain_step(mlp(), x, y)), ("dpcore.torch (fast path)", dpcore_step(mlp(), x, y))]
-    for mode in ("hooks", "ghost"):
-        rows.append((f"Opacus {mode}", opacus_step(mlp(), x, y, mode)))
-    print(f"MLP 784-1024-256-10, batch 256, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"medians of {args.rounds} alternating blocks of {args.block} steps")
-    report(rows, timed(rows, args.rounds, args.block))
-    xc, yc = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
-    print("small conv net (2 conv + linear), batch 64")
-    conv_rows = [("non-private torch", plain_step(convnet(), xc, yc)),
-                 ("dpcore.torch generic vmap", dpcore_step(convnet(), xc, yc, mode="generic")),
-                 ("dpcore.torch auto", dpcore_step(convnet(), xc, yc)),
-                 ("Opacus hooks", opacus_step(convnet(), xc, yc, "hooks"))]
-    for name, s in conv_rows:
-        if name == "Opacus hooks" and s is not None:
-            s.slow = 1  # the conv net is small: same block length as the others
-    report(conv_rows, timed(conv_rows, args.rounds, args.block))
+    quick = dict(steps=3, min_steps=1, budget=3.0, warmup=1, rounds=1)
+    full = dict(steps=40, min_steps=2, budget=12.0, warmup=2, rounds=2)
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.one:
+        print(RESULT + json.dumps(run_one(args.one[0], args.one[1], args)), flush=True)
+        return
+
+    print(f"torch {torch.__version__}, device {args.device}, {args.threads} threads; per configuration and round: "
+          f"{args.warmup} warm-up + up to {args.steps} timed steps in {args.budget:.0f} s (at least {args.min_steps}); "
+          f"{args.rounds} round(s), order reversed every other round; own process each; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    t0 = time.perf_counter()
+    all_res: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for m in args.models:
+        runs: Dict[str, List[Dict[str, Any]]] = {c: [] for c in args.configs}
+        for rnd in range(args.rounds):
+            order = args.configs if rnd % 2 == 0 else args.configs[::-1]
+            for c in order:
+                r = _child(m, c, args)
+                runs[c].append(r)
+                status = r.get("error") or f"{r['ms']:.1f} ms median over {r['steps']} steps"
+                print(f"  [{time.perf_counter() - t0:6.0f} s] {m} {c} round {rnd + 1}: {status}", file=sys.stderr,
+                      flush=True)
+        all_res[m] = {c: _merge(runs[c]) for c in args.configs}
+        report(m, all_res[m], args.device)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.2f} (other processes skew the "
+          f"timings)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -424,11 +424,11 @@ def test_failure_part_way_through_accumulation_drops_every_accumulator():
                     orig = _contrib.Factored.add_clipped
                     calls = []
 
-                    def fail_second(self, c, acc):
+                    def fail_second(self, c, acc, cache=None):
                         calls.append(1)
                         if len(calls) == 2:
                             raise RuntimeError("boom")
-                        return orig(self, c, acc)
+                        return orig(self, c, acc, cache)
 
                     _contrib.Factored.add_clipped = fail_second
                     try:

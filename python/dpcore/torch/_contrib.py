@@ -24,7 +24,7 @@ rounding error, and the clipped sums are formed from the same factors, so the cl
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -82,8 +82,9 @@ class Contribution:
         rounding error relative to the parameter-dtype arithmetic of :meth:`add_clipped`."""
         raise NotImplementedError
 
-    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
-        """acc[rows] += Σ_i c_i·g_i (``c``: (B,) float64, already including any loss scale)."""
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
+        """acc[rows] += Σ_i c_i·g_i (``c``: (B,) float64, already including any loss scale);
+        ``cache`` lets uses that share factors share their scaled copies within one call."""
         raise NotImplementedError
 
 
@@ -131,9 +132,14 @@ class Factored(Contribution):
         per = torch.bmm(g.transpose(1, 2), a)
         return per.reshape((hi - lo,) + self.slice_shape()), 2.0 * (t + 2) * _U64 * s
 
-    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         b, t, dout = self.g.shape
-        gc = self.g * c.to(self.g.dtype)[:, None, None]
+        key = (id(self.g), id(c))
+        gc = cache.get(key) if cache is not None else None
+        if gc is None:
+            gc = self.g * c.to(self.g.dtype)[:, None, None]
+            if cache is not None:
+                cache[key] = gc  # the bias of the same layer scales the same output gradients
         if self.a is None:
             _rows_view(self.param, self.rows, acc).add_(gc.sum((0, 1)).to(acc.dtype))
             return
@@ -193,7 +199,7 @@ class Rows(Contribution):
         rec = torch.div(uniq, v, rounding_mode="floor")
         return torch.zeros(b, dtype=torch.float64, device=g.device).index_add_(0, rec, nk.square())
 
-    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         d = self.g.shape[2]
         rows = (self.g * c.to(self.g.dtype)[:, None, None]).reshape(-1, d)
         acc.index_add_(0, self.idx.reshape(-1), rows.to(acc.dtype))
@@ -220,7 +226,7 @@ class Dense(Contribution):
     def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.per[lo:hi].double(), torch.zeros(hi - lo, dtype=torch.float64, device=self.per.device)
 
-    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor) -> None:
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         s = torch.tensordot(c.to(self.per.dtype), self.per, dims=([0], [0]))
         _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
 
@@ -257,6 +263,8 @@ def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
     b, t, dout = g.shape
     if cs[0].a is None:
         (sg,) = row_sq(g.reshape(b * t, dout))
+        if t == 1:
+            return sg
         gn = sg.sqrt().view(b, t)
         bs = _sq(g.sum(1, dtype=torch.float64), 1)
         return (bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square()
@@ -390,23 +398,27 @@ def _merge_dense(cs: List[Contribution]) -> List[Contribution]:
     return [c for c in cs if not isinstance(c, Dense)] + [Dense(dense[0].param, tot, dense[0].rows)]
 
 
+def _plus(total: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return x if total is None else total + x
+
+
 def param_sq_norms(cs: List[Contribution], b: int) -> Tuple[torch.Tensor, List[Contribution]]:
     """(upper bounds of each record's squared gradient norm for one parameter, the uses to
     form its clipped sum from)."""
     param = cs[0].param
-    total = torch.zeros(b, dtype=torch.float64, device=param.device)
+    total: Any = None
     used: List[Contribution] = []
     for group in _by_rows(cs, int(param.shape[0]) if param.dim() else 1):
         group = _merge_dense(group)
         same = all(c.rows == group[0].rows for c in group)
         kinds = {type(c) for c in group}
         if same and kinds == {Factored} and len({c.a is None for c in group}) == 1 and len({None if c.a is None else c.a.shape[2] for c in group}) == 1:  # type: ignore[union-attr]
-            total = total + _factored_sq(group)  # type: ignore[arg-type]
+            total = _plus(total, _factored_sq(group))  # type: ignore[arg-type]
         elif len(group) == 1 and isinstance(group[0], Rows):
-            total = total + group[0].sq_norms()
+            total = _plus(total, group[0].sq_norms())
         elif same and kinds == {Rows}:
             r = Rows(param, torch.cat([c.idx for c in group], 1), torch.cat([c.g for c in group], 1))  # type: ignore[attr-defined]
-            total = total + r.sq_norms()
+            total = _plus(total, r.sq_norms())
             group = [r]
         elif (
             same
@@ -418,14 +430,16 @@ def param_sq_norms(cs: List[Contribution], b: int) -> Tuple[torch.Tensor, List[C
             rs = [c for c in group if isinstance(c, Rows)]
             fs = [c for c in group if isinstance(c, Factored)]
             r = rs[0] if len(rs) == 1 else Rows(param, torch.cat([c.idx for c in rs], 1), torch.cat([c.g for c in rs], 1))
-            total = total + _tied_sq(r, fs)
+            total = _plus(total, _tied_sq(r, fs))
             group = [r, *fs]
         elif len(group) == 1 and isinstance(group[0], Dense):
             (s,) = row_sq(group[0].per.reshape(b, -1))
-            total = total + s
+            total = _plus(total, s)
         else:
-            total = total + _dense_sq(group, b)
+            total = _plus(total, _dense_sq(group, b))
         used.extend(group)
+    if total is None:
+        total = torch.zeros(b, dtype=torch.float64, device=param.device)
     return total, used
 
 

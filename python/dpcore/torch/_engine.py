@@ -293,6 +293,7 @@ class PerRecordGradients:
         some of ``into`` updated and others not; callers discard them then."""
         into = [None] * len(factors) if into is None else into
         out: List[Optional[torch.Tensor]] = []
+        cache: Dict[Any, torch.Tensor] = {}
         try:
             for k, p in enumerate(self.params):
                 used = self._used[k] if k < len(self._used) else None
@@ -302,9 +303,12 @@ class PerRecordGradients:
                     continue
                 direct = base is not None and base.dtype == p.dtype and base.device == p.device and base.is_contiguous()
                 acc = base if direct else torch.zeros_like(p, memory_format=torch.contiguous_format)
-                c = factors[k] * self._scale if self._scale != 1.0 else factors[k]
+                key = ("c", id(factors[k]))
+                c = cache.get(key)
+                if c is None:  # one scaled copy per group, shared by its parameters
+                    c = cache[key] = factors[k] * self._scale if self._scale != 1.0 else factors[k]
                 for u in used:
-                    u.add_clipped(c, acc)  # type: ignore[arg-type]
+                    u.add_clipped(c, acc, cache)  # type: ignore[arg-type]
                 if base is not None and not direct:
                     acc = base.add_(acc.to(device=base.device, dtype=base.dtype))
                 out.append(acc)
