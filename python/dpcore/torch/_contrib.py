@@ -252,7 +252,18 @@ def _exact_matmul(t: torch.Tensor) -> bool:
     return True
 
 
-def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
+def _gram(x: torch.Tensor, cache: Optional[dict], key: Any) -> torch.Tensor:
+    """x xᵀ per record in float64, shared between uses with the same factor (an LSTM's
+    weight_ih and weight_hh have the same gate gradients)."""
+    if cache is not None and key in cache:
+        return cache[key]
+    out = torch.bmm(x, x.transpose(1, 2)).double()
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.Tensor:
     """Upper bounds of ‖Σ_u Σ_t g_t a_tᵀ‖² per record over same-row factored uses (one longer
     sequence). Mixed ghost clipping (Bu et al. 2023, "Differentially private optimization on
     large model at small cost"): per record, the ghost norm Σ_{t,s}(a_t·a_s)(g_t·g_s) (Li et
@@ -285,8 +296,8 @@ def _factored_sq(cs: Sequence[Factored]) -> torch.Tensor:
             ai, gi = a[i : i + chunk], g[i : i + chunk]
             if not fast:
                 ai, gi = ai.double(), gi.double()
-            ga = torch.bmm(ai, ai.transpose(1, 2)).double()
-            gg = torch.bmm(gi, gi.transpose(1, 2)).double()
+            ga = _gram(ai, cache, (id(a), i, fast))
+            gg = _gram(gi, cache, (id(g), i, fast))
             parts.append((ga * gg).sum((1, 2)))
         w = torch.cat(parts)
         if fast:  # |Âts·Ĝts − Ats·Gts| ≤ (γ_din + γ_dout + γ_din·γ_dout)‖a_t‖‖a_s‖‖g_t‖‖g_s‖
@@ -402,7 +413,7 @@ def _plus(total: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return x if total is None else total + x
 
 
-def param_sq_norms(cs: List[Contribution], b: int) -> Tuple[torch.Tensor, List[Contribution]]:
+def param_sq_norms(cs: List[Contribution], b: int, cache: Optional[dict] = None) -> Tuple[torch.Tensor, List[Contribution]]:
     """(upper bounds of each record's squared gradient norm for one parameter, the uses to
     form its clipped sum from)."""
     param = cs[0].param
@@ -413,7 +424,8 @@ def param_sq_norms(cs: List[Contribution], b: int) -> Tuple[torch.Tensor, List[C
         same = all(c.rows == group[0].rows for c in group)
         kinds = {type(c) for c in group}
         if same and kinds == {Factored} and len({c.a is None for c in group}) == 1 and len({None if c.a is None else c.a.shape[2] for c in group}) == 1:  # type: ignore[union-attr]
-            total = _plus(total, _factored_sq(group))  # type: ignore[arg-type]
+            # a cache only for single uses, whose factors are the layers' own tensors (ids stable)
+            total = _plus(total, _factored_sq(group, cache if len(group) == 1 else None))  # type: ignore[arg-type]
         elif len(group) == 1 and isinstance(group[0], Rows):
             total = _plus(total, group[0].sq_norms())
         elif same and kinds == {Rows}:

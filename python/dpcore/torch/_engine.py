@@ -270,13 +270,14 @@ class PerRecordGradients:
         out: List[Optional[torch.Tensor]] = []
         self._used = []
         s2 = self._scale**2
+        cache: Dict[Any, torch.Tensor] = {}  # Gram matrices of factors shared between parameters
         for p in self.params:
             mine = by.get(id(p))
             if not mine:
                 out.append(None)
                 self._used.append(None)
                 continue
-            sq, used = param_sq_norms(mine, units)
+            sq, used = param_sq_norms(mine, units, cache)
             out.append(sq * s2 if s2 != 1.0 else sq)
             self._used.append(used)
         return units, out

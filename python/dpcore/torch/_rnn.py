@@ -31,63 +31,77 @@ __all__ = ["recurrent_forward"]
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 
 
-def _lstm_forward(xw: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh_t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def _fused(mode: str, xt: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], w: Tuple[Any, ...]) -> Tuple[torch.Tensor, ...]:
+    """PyTorch's own fused kernel for one layer and direction, time-major: (outputs, h_n[, c_n])."""
+    params = [t for t in w if t is not None]
+    has_b = w[2] is not None
+    if mode == "LSTM":
+        return torch._VF.lstm(xt, (h0.unsqueeze(0), c0.unsqueeze(0)), params, has_b, 1, 0.0, False, False, False)  # type: ignore[attr-defined]
+    f = {"GRU": torch._VF.gru, "RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu}[mode]  # type: ignore[attr-defined]
+    return f(xt, h0.unsqueeze(0), params, has_b, 1, 0.0, False, False, False)
+
+
+def _lstm_states(xw: torch.Tensor, hs: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The activated gates and the cell states of every step, from the hidden states of the
+    fused forward: the gates need no recursion once h_{t−1} is known (one product for all
+    steps), and the cells only the cheap c_t = f_t·c_{t−1} + i_t·g_t."""
     t_len, b, g4 = xw.shape
-    hs = h.new_empty((t_len + 1, b, h.shape[1]))
-    cs = c.new_empty((t_len + 1, b, c.shape[1]))
-    gates = xw  # overwritten in place with the activated gates
-    hs[0], cs[0] = h, c
-    hid = h.shape[1]
+    hid = g4 // 4
+    gates = torch.addmm(xw.view(-1, g4), hs[:-1].reshape(-1, hid), w_hh.t()).view(t_len, b, g4)
+    gates[..., : 2 * hid].sigmoid_()
+    gates[..., 2 * hid : 3 * hid].tanh_()
+    gates[..., 3 * hid :].sigmoid_()
+    ig = gates[..., :hid] * gates[..., 2 * hid : 3 * hid]
+    f = gates[..., hid : 2 * hid]
+    cs = c0.new_empty((t_len + 1, b, hid))
+    cs[0] = c0
     for t in range(t_len):
-        gt = gates[t]
-        gt.addmm_(hs[t], w_hh_t)
-        gt[:, : 2 * hid].sigmoid_()
-        gt[:, 2 * hid : 3 * hid].tanh_()
-        gt[:, 3 * hid :].sigmoid_()
-        i, f, g, o = gt[:, :hid], gt[:, hid : 2 * hid], gt[:, 2 * hid : 3 * hid], gt[:, 3 * hid :]
-        torch.addcmul(f * cs[t], i, g, out=cs[t + 1])
-        torch.mul(o, torch.tanh(cs[t + 1]), out=hs[t + 1])
-    return hs, cs, gates
+        torch.addcmul(ig[t], f[t], cs[t], out=cs[t + 1])
+    return gates, cs
 
 
 def _lstm_backward(dout: torch.Tensor, dh: torch.Tensor, dc: torch.Tensor, hs: torch.Tensor, cs: torch.Tensor, gates: torch.Tensor, w_hh: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t_len = dout.shape[0]
-    hid = dh.shape[1]
+    t_len, b, g4 = gates.shape
+    hid = g4 // 4
+    # Everything that does not depend on the recursion, for all steps at once (a few large ops
+    # instead of ~20 small ones per step): with tc = tanh(c_t),
+    #   dc_t  = dc_{t+1}·f_{t+1} + dh_t·o·(1 − tc²)
+    #   d_pre = [dc·g·i(1−i), dc·c_{t−1}·f(1−f), dc·i·(1−g²), dh·tc·o(1−o)]
+    i, f, g, o = gates[..., :hid], gates[..., hid : 2 * hid], gates[..., 2 * hid : 3 * hid], gates[..., 3 * hid :]
+    tc = torch.tanh(cs[1:])
+    ocf = o * (1 - tc * tc)
+    q = torch.empty_like(gates)
+    q4 = q.view(t_len, b, 4, hid)
+    torch.mul(g, i - i * i, out=q4[:, :, 0])
+    torch.mul(cs[:-1], f - f * f, out=q4[:, :, 1])
+    torch.mul(i, 1 - g * g, out=q4[:, :, 2])
+    torch.mul(tc, o - o * o, out=q4[:, :, 3])
+    del tc
     d = torch.empty_like(gates)
+    d4 = d.view(t_len, b, 4, hid)
+    dh = dh.clone()
     for t in range(t_len - 1, -1, -1):
-        gt = gates[t]
-        i, f, g, o = gt[:, :hid], gt[:, hid : 2 * hid], gt[:, 2 * hid : 3 * hid], gt[:, 3 * hid :]
-        dh = dh + dout[t]
-        tc = torch.tanh(cs[t + 1])
-        dc = dc + dh * o * (1 - tc * tc)
-        dt = d[t]
-        torch.mul(dc * g, i * (1 - i), out=dt[:, :hid])
-        torch.mul(dc * cs[t], f * (1 - f), out=dt[:, hid : 2 * hid])
-        torch.mul(dc * i, 1 - g * g, out=dt[:, 2 * hid : 3 * hid])
-        torch.mul(dh * tc, o * (1 - o), out=dt[:, 3 * hid :])
-        dc = dc * f
-        dh = dt.matmul(w_hh)
+        dh.add_(dout[t])
+        dc = torch.addcmul(dc, dh, ocf[t])
+        torch.mul(dc.unsqueeze(1), q4[t, :, :3], out=d4[t, :, :3])
+        torch.mul(dh, q4[t, :, 3], out=d4[t, :, 3])
+        dc = dc * f[t]
+        dh = d[t].matmul(w_hh)
     return d, dh, dc
 
 
-def _gru_forward(xw: torch.Tensor, h: torch.Tensor, w_hh_t: torch.Tensor, b_hh: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-    t_len, b, _ = xw.shape
-    hid = h.shape[1]
-    hs = h.new_empty((t_len + 1, b, hid))
-    gh_n = h.new_empty((t_len, b, hid))
-    rzn = xw  # overwritten with the activated r, z, n
-    hs[0] = h
-    for t in range(t_len):
-        gh = hs[t].matmul(w_hh_t) if b_hh is None else torch.addmm(b_hh, hs[t], w_hh_t)
-        x = rzn[t]
-        x[:, : 2 * hid].add_(gh[:, : 2 * hid]).sigmoid_()
-        r, z = x[:, :hid], x[:, hid : 2 * hid]
-        gh_n[t] = gh[:, 2 * hid :]
-        n = x[:, 2 * hid :]
-        n.addcmul_(r, gh_n[t]).tanh_()
-        # h' = (1 − z)·n + z·h = n + z·(h − n)
-        torch.addcmul(n, z, hs[t] - n, out=hs[t + 1])
-    return hs, rzn, gh_n
+def _gru_states(xw: torch.Tensor, hs: torch.Tensor, w_hh: torch.Tensor, b_hh: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """r, z, n (activated) and W_hn·h_{t−1} + b_hn of every step, from the fused forward's
+    hidden states (no recursion)."""
+    t_len, b, g3 = xw.shape
+    hid = g3 // 3
+    hp = hs[:-1].reshape(-1, hid)
+    gh = (hp.matmul(w_hh.t()) if b_hh is None else torch.addmm(b_hh, hp, w_hh.t())).view(t_len, b, g3)
+    rzn = xw
+    rzn[..., : 2 * hid].add_(gh[..., : 2 * hid]).sigmoid_()
+    gh_n = gh[..., 2 * hid :].contiguous()
+    rzn[..., 2 * hid :].addcmul_(rzn[..., :hid], gh_n).tanh_()
+    return rzn, gh_n
 
 
 def _gru_backward(dout: torch.Tensor, dh: torch.Tensor, hs: torch.Tensor, rzn: torch.Tensor, gh_n: torch.Tensor, w_hh: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,16 +122,6 @@ def _gru_backward(dout: torch.Tensor, dh: torch.Tensor, hs: torch.Tensor, rzn: t
         torch.mul(dn_pre, r, out=dhh[:, 2 * hid :])
         dh = torch.addmm(dh * z, dhh, w_hh)
     return d_ih, d_hh, dh
-
-
-def _rnn_forward(xw: torch.Tensor, h: torch.Tensor, w_hh_t: torch.Tensor, relu: bool) -> torch.Tensor:
-    t_len, b, hid = xw.shape
-    hs = h.new_empty((t_len + 1, b, hid))
-    hs[0] = h
-    for t in range(t_len):
-        pre = torch.addmm(xw[t], hs[t], w_hh_t)
-        torch.clamp_min(pre, 0.0, out=hs[t + 1]) if relu else torch.tanh(pre, out=hs[t + 1])
-    return hs
 
 
 def _rnn_backward(dout: torch.Tensor, dh: torch.Tensor, hs: torch.Tensor, w_hh: torch.Tensor, relu: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -143,32 +147,28 @@ class _RecurrentFn(torch.autograd.Function):
             xt = xt.flip(0)
         xw = xt.matmul(w_ih.t()) if b_ih is None else torch.addmm(b_ih, xt.reshape(-1, xt.shape[2]), w_ih.t()).view(xt.shape[0], xt.shape[1], -1)
         xw = xw.contiguous()
-        w_hh_t = w_hh.t()
+        fused = _fused(mode, xt.contiguous(), h0, c0, (w_ih, w_hh, b_ih, b_hh))
+        hs = torch.cat([h0.unsqueeze(0), fused[0]], 0)
         if mode == "LSTM":
             if b_hh is not None:
                 xw += b_hh
-            hs, cs, gates = _lstm_forward(xw, h0, c0, w_hh_t)
+            gates, cs = _lstm_states(xw, hs, c0, w_hh)
             saved: Tuple[torch.Tensor, ...] = (hs, cs, gates)
-            c_last = cs[-1]
         elif mode == "GRU":
-            hs, rzn, gh_n = _gru_forward(xw, h0, w_hh_t, b_hh)
+            rzn, gh_n = _gru_states(xw, hs, w_hh, b_hh)
             saved = (hs, rzn, gh_n)
-            c_last = None
         else:
-            if b_hh is not None:
-                xw += b_hh
-            hs = _rnn_forward(xw, h0, w_hh_t, mode == "RNN_RELU")
             saved = (hs,)
-            c_last = None
         ctx.saved = saved
         ctx.x, ctx.w, ctx.conf = x, w, conf
-        out = hs[1:]
+        # The outputs are PyTorch's own; backward linearises at the states recomputed above.
+        out = fused[0]
         if reverse:
             out = out.flip(0)
         out = out.transpose(0, 1)
-        if c_last is None:
-            return out, hs[-1].clone()
-        return out, hs[-1].clone(), c_last.clone()
+        if mode != "LSTM":
+            return out, fused[1][0]
+        return out, fused[1][0], fused[2][0]
 
     @staticmethod
     @once_differentiable
@@ -196,8 +196,12 @@ class _RecurrentFn(torch.autograd.Function):
         xt = x.transpose(0, 1)
         if reverse:
             xt = xt.flip(0)
-        # records first for the sink; the steps of a reverse direction stay in processing order
-        sink(xt.transpose(0, 1), hs[:-1].transpose(0, 1), d_ih.transpose(0, 1), d_hh.transpose(0, 1))
+        # Records first for the sink (one contiguous copy each, which the norms and sums then read
+        # in place; d_hh is d_ih itself for LSTM and RNN, so the weights share its products).
+        # The steps of a reverse direction stay in processing order.
+        d_ih_b = d_ih.transpose(0, 1).contiguous()
+        d_hh_b = d_ih_b if d_hh is d_ih else d_hh.transpose(0, 1).contiguous()
+        sink(xt.transpose(0, 1).contiguous(), hs[:-1].transpose(0, 1).contiguous(), d_ih_b, d_hh_b)
         dx = None
         if ctx.needs_input_grad[0]:
             dxt = d_ih.matmul(w_ih)
