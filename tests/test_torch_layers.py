@@ -441,3 +441,38 @@ def test_nested_query_by_module_prefix_from_torch():
         DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                     query=NestedQuery({"0": GaussianAverageQuery(1.0, 1.0, 7.0)}))
     opt.engine.remove()
+
+
+class Gated(nn.Module):
+    """No rule: the torch.func path, with a per-record keyword tensor and a shared one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, x, *, gate, bias):
+        return torch.tanh(x * self.w) * gate + bias
+
+
+def test_generic_path_batches_keyword_tensors():
+    torch.manual_seed(11)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+            self.g = Gated()
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x, gate):
+            return self.head(self.g(self.lin(x), gate=gate, bias=torch.ones(4)))
+
+    model = Net()
+    x, gate, y = torch.randn(6, 3), torch.rand(6, 4), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        clip, ref, norms = brute_force(model, lambda m, i: ce(m(x[i], gate[i]), y[i]), 6)
+        got, opt, m = dp_update(model, lambda m, i: ce(m(x[i], gate[i]), y[i]), 6, clip, 7.0)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.double().numpy(), (r / 7.0).numpy(), rtol=2e-4, atol=1e-7)
+    opt.engine.remove()

@@ -512,6 +512,7 @@ class GenericRule(LayerRule):
                 "dpcore.torch.register_layer"
             )
         dargs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         if _seq_first(self, out):
             dargs = tuple(a.transpose(0, 1) if isinstance(a, torch.Tensor) and a.dim() >= 3 else a for a in dargs)
             return self.tap(out, lambda g: self._per_record(dargs, kwargs, g.transpose(0, 1), seq_first=True))
@@ -530,11 +531,18 @@ class GenericRule(LayerRule):
                     "generic path batches tensor arguments along dim 0"
                 )
 
-        def one(p: Dict[str, torch.Tensor], xs: Tuple[torch.Tensor, ...], gi: torch.Tensor) -> Any:
+        # Keyword tensors with a record axis (a per-record mask) are batched like the positional
+        # ones; others (a mask shared by all records) are passed whole to every record.
+        kpos = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == b]
+
+        def one(p: Dict[str, torch.Tensor], xs: Tuple[torch.Tensor, ...], ks: Tuple[torch.Tensor, ...], gi: torch.Tensor) -> Any:
             full = list(args)
             for i, x in zip(pos, xs):
                 full[i] = x.unsqueeze(1) if seq_first and x.dim() >= 2 else x.unsqueeze(0)
-            _, pull = vjp(lambda q: self._call_with(q, full, kwargs), p)
+            kw = dict(kwargs)
+            for k, v in zip(kpos, ks):
+                kw[k] = v.unsqueeze(0)
+            _, pull = vjp(lambda q: self._call_with(q, full, kw), p)
             return pull(gi.unsqueeze(1) if seq_first and gi.dim() >= 2 else gi.unsqueeze(0))[0]
 
         if b == 0:
@@ -542,7 +550,9 @@ class GenericRule(LayerRule):
         else:
             _flags.recompute = True
             try:
-                per = vmap(one, in_dims=(None, 0, 0))(params, tuple(args[i] for i in pos), g)
+                per = vmap(one, in_dims=(None, 0, 0, 0))(
+                    params, tuple(args[i] for i in pos), tuple(kwargs[k] for k in kpos), g
+                )
             finally:
                 _flags.recompute = False
         for n, p in self.params.items():
