@@ -14,8 +14,13 @@ al. 2018)::
 ``make_private_with_epsilon(..., target_epsilon=, target_delta=, epochs=)`` picks the noise multiplier
 instead, as Opacus's function of the same name.
 
-Per-record gradients: factored norms and clipped sums for ``nn.Linear`` and ``nn.Embedding``
-(Goodfellow 2015; ghost norms of Li et al. 2022 for sequences), ``torch.func`` vmap elsewhere.
+Per-record gradients: each layer type has a rule (``_rules.py``; :func:`register_layer` adds
+one): factored norms and clipped sums for ``nn.Linear``, ``nn.Embedding``, attention projections
+and recurrent weights (Goodfellow 2015; ghost norms of Li et al. 2022, mixed with materialised
+ones by shape as Bu et al. 2023), grouped-convolution per-record gradients for conv layers,
+g·x̂ for normalisation layers, ``torch.func`` vmap elsewhere. Parameters shared between layers get
+the sum over their uses. ``make_private(..., query=...)`` drives any :mod:`dpcore.queries` tree
+(adaptive clipping, per-group clipping, microbatches).
 Requires the ``torch`` extra (``pip install 'dpcore[torch]'``).
 """
 
