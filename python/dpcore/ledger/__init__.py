@@ -121,6 +121,23 @@ class PrivacyLedger:
         self._samples, self.torn_tail, self._lines = contents.samples, contents.torn, contents.lines
         return self
 
+    @classmethod
+    def _replica(cls, label: str, samples: Any) -> "PrivacyLedger":
+        """An in-memory ledger that follows another process's ledger, for ranks other than 0
+        in data-parallel training (:mod:`dpcore.torch`): it starts from that ledger's samples
+        and is sent the same entries, so ``get_epsilon`` answers on every rank, while only
+        rank 0 writes a file. Nothing it holds is durable."""
+        self = cls.__new__(cls)
+        self._path, self._read_only, self._pending, self._current = label, None, None, False
+        self._file = _MemoryFile(label)  # type: ignore[assignment]
+        self._samples, self.torn_tail, self._lines = list(samples), None, 0
+        return self
+
+    @property
+    def is_replica(self) -> bool:
+        """True for the in-memory copy that ranks other than 0 keep of rank 0's ledger."""
+        return isinstance(self._file, _MemoryFile)
+
     # -- writing ------------------------------------------------------------------------
 
     def _writable(self) -> LedgerFile:
@@ -309,6 +326,21 @@ class PrivacyLedger:
         acct = make_accountant("rdp", neighboring, orders=orders)
         acct.compose(event)
         return acct
+
+
+class _MemoryFile:
+    """The file interface of a replica: entries are kept only in the ledger's own lists."""
+
+    broken: Optional[str] = None
+
+    def __init__(self, label: str) -> None:
+        self.path, self.closed = label, False
+
+    def write(self, entries: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _unsupported_kinds(acct: Any, event: Any) -> List[str]:

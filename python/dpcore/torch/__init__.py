@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from ..ledger import PrivacyLedger
 from ._data import DPDataLoader
+from ._distributed import DistributedError, current_communicator, resolve_ledger
 from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin, replace_batchnorm
 from ._rules import LayerRule, register_layer
 from ._optimizer import DPOptimizer
@@ -44,6 +45,7 @@ __all__ = [
     "DPDataLoader",
     "PerRecordGradients",
     "FallbackWarning",
+    "DistributedError",
     "register_layer",
     "LayerRule",
     "replace_batchnorm",
@@ -60,7 +62,7 @@ def make_private(
     noise_multiplier: Optional[float] = None,
     max_grad_norm: Any = None,
     query: Any = None,
-    ledger: Optional[PrivacyLedger] = None,
+    ledger: Any = None,
     clipping: str = "flat",
     joint_scales: Any = None,
     max_physical_batch_size: Optional[int] = None,
@@ -87,14 +89,26 @@ def make_private(
     :class:`~dpcore.queries.QuantileAdaptiveClipQuery` (adaptive clipping), and a
     :class:`~dpcore.queries.MicrobatchQuery` at the root. Its denominator should be
     ``loader.expected_batch_size`` for an average.
+
+    ``ledger``: a :class:`dpcore.PrivacyLedger`, a path, or None (a temporary file).
+
+    **Data-parallel.** When ``torch.distributed`` is initialised (as ``torchrun`` does) with
+    more than one rank, run the same script on every rank with a DataLoader over the same full
+    dataset: rank r samples the records i ≡ r (mod W) at q = batch_size/len(dataset), so
+    ``batch_size`` is the expected *global* batch size and ε is the same as in one process.
+    ``model`` may be plain or wrapped in ``DistributedDataParallel``. Pass the ledger's path (the
+    same on every rank): rank 0 opens the file and writes it; the other ranks keep an in-memory
+    replica, so ``optimizer.get_epsilon`` answers on every rank. Noise is added once, by rank 0.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
-    if ledger is None:
-        import os
-        import tempfile
-
-        ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl"))
+    comm = current_communicator()
+    if comm is not None and not poisson_sampling:
+        raise ValueError(
+            "poisson_sampling=False is not supported under torch.distributed: the ranks' shuffled batches "
+            "would not form one recorded sample; use Poisson sampling"
+        )
+    ledger = resolve_ledger(ledger, comm)
     if poisson_sampling:
         loader: Any = DPDataLoader.from_data_loader(
             data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed

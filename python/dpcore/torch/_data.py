@@ -7,6 +7,10 @@ subsampled-Gaussian accountant assumes). Batches vary in size and may be empty; 
 still yielded (with zero rows), because skipping it would reveal that no record was sampled.
 With ``max_physical_batch_size`` a logical batch is cut into micro-batches that the optimizer
 accumulates (virtual batches): noise and the ledger's release come once per logical batch.
+
+Under ``torch.distributed`` (see :mod:`dpcore.torch._distributed`) rank r of W samples only the
+records i with i mod W = r, at the same rate q, from its own generator: the union over the ranks
+is one Poisson sample of the whole dataset, recorded once as (N, q).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from ..ledger import PrivacyLedger
 from ..queries.base import derive_seed
 from ..sampling import poisson_sample
+from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["DPDataLoader"]
 
@@ -29,14 +34,18 @@ __all__ = ["DPDataLoader"]
 class DPDataLoader:
     """Iterates over ``steps`` Poisson samples of ``dataset`` at rate ``sample_rate``.
 
-    * ``ledger``: the :class:`dpcore.PrivacyLedger` that records each sample (policy ``poisson``).
+    * ``ledger``: the :class:`dpcore.PrivacyLedger` that records each sample (policy ``poisson``),
+      or its path (under ``torch.distributed``, the same path on every rank: rank 0 opens it).
     * ``steps``: logical batches per pass (default round(1/q), one expected epoch).
     * ``max_physical_batch_size``: cut a logical batch into micro-batches of at most this size;
       :attr:`logical_batch_complete` is True after the last micro-batch of a logical batch.
     * ``collate_fn``: for map-style datasets other than :class:`TensorDataset` (default
       :func:`torch.utils.data.default_collate`).
     * ``seed``: tests and reproductions only — a seeded sample is predictable, gives no
-      amplification in truth, and is marked ``seeded`` in the ledger.
+      amplification in truth, and is marked ``seeded`` in the ledger (each rank derives its own).
+
+    Under ``torch.distributed`` (initialised, world size W > 1) the loader yields this rank's
+    part of each sample: about q·N/W records (``last_indices`` are indices into the dataset).
     """
 
     def __init__(
@@ -44,14 +53,14 @@ class DPDataLoader:
         dataset: Dataset,
         sample_rate: float,
         *,
-        ledger: PrivacyLedger,
+        ledger: Any,
         steps: Optional[int] = None,
         max_physical_batch_size: Optional[int] = None,
         collate_fn: Optional[Callable[[Any], Any]] = None,
         seed: Optional[int] = None,
     ) -> None:
-        if not isinstance(ledger, PrivacyLedger):
-            raise TypeError(f"ledger must be a dpcore.PrivacyLedger, got {type(ledger).__name__}")
+        if ledger is None:
+            raise TypeError("DPDataLoader needs a ledger (a dpcore.PrivacyLedger or a path)")
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
             raise TypeError(f"sample_rate must be a real number, got {type(sample_rate).__name__}")
         if not 0.0 < float(sample_rate) <= 1.0:
@@ -68,7 +77,10 @@ class DPDataLoader:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {max_physical_batch_size}")
         self.max_physical_batch_size = None if max_physical_batch_size is None else int(max_physical_batch_size)
         self.collate_fn = collate_fn or default_collate
-        self.ledger = ledger
+        self._comm = current_communicator()
+        self.rank, self.world_size = (0, 1) if self._comm is None else (self._comm.rank, self._comm.world_size)
+        # Validated above first, so that bad arguments fail on every rank before the collective.
+        self.ledger = resolve_ledger(ledger, self._comm)
         self.seed = seed
         self.logical_batch_complete = True
         self.samples_drawn = 0
@@ -103,11 +115,24 @@ class DPDataLoader:
             return _take_none(one)
         return self.collate_fn([self.dataset[int(i)] for i in idx])
 
-    def __iter__(self) -> Iterator[Any]:
-        for _ in range(self.steps):
+    def _sample(self) -> np.ndarray:
+        """This rank's part of the next Poisson sample (all of it in one process)."""
+        r, w = self.rank, self.world_size
+        if w == 1:
             seed = derive_seed(self.seed, self._draws)
             self._draws += 1
-            idx = poisson_sample(self.n, self.sample_rate, seed=seed, ledger=self.ledger)
+            return poisson_sample(self.n, self.sample_rate, seed=seed, ledger=self.ledger)
+        seed = derive_seed(self.seed, self._draws, r)  # a test seed: still one stream per rank
+        self._draws += 1
+        shard = max(0, (self.n - r + w - 1) // w)  # records r, r + w, r + 2w, ...
+        local = poisson_sample(shard, self.sample_rate, seed=seed)
+        # Every rank records the whole sample (N, q); only rank 0's ledger is a file.
+        self.ledger.record_sample(self.n, self.sample_rate, "poisson", seeded=seed is not None)
+        return r + w * local
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self.steps):
+            idx = self._sample()
             self.samples_drawn += 1
             m = self.max_physical_batch_size
             chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import tempfile
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,6 +33,7 @@ from ..queries import (
 from ..queries.base import derive_seed
 from ..queries.events import ComposedQueryEvent, SumQueryEvent
 from ..queries.microbatch import scale_sensitivity
+from ._distributed import DistributedError, current_communicator, flat_views, resolve_ledger, unwrap_ddp
 from ._engine import PerRecordGradients, clip_factors, clip_margin
 
 __all__ = ["DPOptimizer"]
@@ -100,8 +99,9 @@ class DPOptimizer(torch.optim.Optimizer):
       :class:`GaussianAverageQuery`), ``"per_layer"`` (each parameter tensor clipped to C_p, C_p =
       C/√m unless ``max_grad_norm`` is a list, noise z·√m·C_p; a :class:`NestedQuery`, Eq. (1)
       gives z), or ``"joint"`` (:class:`JointClipQuery` with ``joint_scales`` α_p per tensor).
-    * ``ledger``: a :class:`dpcore.PrivacyLedger`; each release is written (fsync) before the
-      noised gradient reaches ``.grad``. ``get_epsilon(delta)`` reads it.
+    * ``ledger``: a :class:`dpcore.PrivacyLedger` or its path (None: the data loader's ledger,
+      else a temporary file); each release is written (fsync) before the noised gradient
+      reaches ``.grad``. ``get_epsilon(delta)`` reads it.
     * ``data_loader``: a :class:`DPDataLoader`; with micro-batches, :meth:`step` accumulates and
       releases only when its logical batch is complete (virtual batches).
     * ``grad_sample_mode``: ``"auto"`` (factored fast path for Linear/Embedding) or ``"generic"``.
@@ -109,6 +109,13 @@ class DPOptimizer(torch.optim.Optimizer):
 
     Call ``loss.backward()`` then :meth:`step` for every (micro-)batch; an empty Poisson batch
     must be stepped too (it releases pure noise).
+
+    Under ``torch.distributed`` (initialised, world size > 1) the optimizer runs data-parallel
+    (:mod:`dpcore.torch._distributed`): ``model`` may be plain or wrapped in
+    ``DistributedDataParallel`` (its own all-reduce is switched off: the clipped sums are reduced
+    once, by dpcore), rank 0's parameters are copied to every rank at construction, rank 0 adds
+    the noise and writes the ledger, and every rank applies the same update. A failed
+    collective raises :class:`DistributedError` and nothing is recorded or applied.
     """
 
     def __init__(
@@ -120,7 +127,7 @@ class DPOptimizer(torch.optim.Optimizer):
         max_grad_norm: Any = None,
         expected_batch_size: Optional[float] = None,
         query: Optional[DPQuery] = None,
-        ledger: Optional[PrivacyLedger] = None,
+        ledger: Any = None,
         clipping: str = "flat",
         joint_scales: Optional[Sequence[float]] = None,
         loss_reduction: str = "mean",
@@ -147,12 +154,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise TypeError("DPOptimizer needs noise_multiplier, max_grad_norm and expected_batch_size (or a query)")
             z = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
             den = _positive("expected_batch_size", expected_batch_size)
-        if ledger is None:
-            ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl"))
-        if not isinstance(ledger, PrivacyLedger):
-            raise TypeError(f"ledger must be a dpcore.PrivacyLedger or None, got {type(ledger).__name__}")
+        if ledger is None and isinstance(getattr(data_loader, "ledger", None), PrivacyLedger):
+            ledger = data_loader.ledger  # the releases go under the samples the loader records
+        self._comm = current_communicator()
+        self.ledger = resolve_ledger(ledger, self._comm)
         self.original_optimizer = optimizer
-        self.ledger = ledger
         self.noise_multiplier = z
         self.expected_batch_size = den
         self.clipping = clipping if query is None else "query"
@@ -166,6 +172,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if isinstance(query, MicrobatchQuery):
             inner, k, self._factor = query.inner, query.microbatch_size, query.sensitivity_factor
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        model = unwrap_ddp(model)
+        if self._comm is not None:
+            self._comm.broadcast_module(model)  # the ranks start from rank 0's parameters
         self.engine = PerRecordGradients(
             model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first, microbatch_size=k
         )
@@ -427,7 +436,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 "no new Poisson sample since the last release: call step() once per (micro-)batch that the "
                 "DPDataLoader yields, never twice for one batch"
             )
-        b, factors = self._clip_factors()
+        if self._comm is not None and releasing:
+            try:
+                b, factors = self._clip_factors()
+            except BaseException as e:
+                # The other ranks are about to meet this one in the step's collectives: tell them,
+                # so that every rank fails now instead of waiting for the process group's timeout.
+                self._step_distributed(0, [], failed=e)
+                raise
+        else:
+            b, factors = self._clip_factors()
         if not releasing:
             self._accumulate(b, factors)
             self._records += b
@@ -435,32 +453,109 @@ class DPOptimizer(torch.optim.Optimizer):
                 p.grad = None
             self.last_step_released = False
             return loss
-        # The queries' plans for this release: noise, event, and their next global states
-        # (adaptive clipping draws its count's noise here), committed only once released.
-        self._pending = [
-            g.query.get_noised_plan(g.ns, g.gs, len(g.members), seed=derive_seed(self._seed, self._releases, gi, 0x5EED))
-            for gi, g in enumerate(self._groups)
-        ]
-        write = self._start_ledger_write()
-        try:
+        if self._comm is not None:
+            self._step_distributed(b, factors)
+        else:
+            # The queries' plans for this release: noise, event, and their next global states
+            # (adaptive clipping draws its count's noise here), committed only once released.
+            self._pending = self._noised_plans([g.ns for g in self._groups])
+            write = self._start_ledger_write()
             try:
-                self._add_noise()
+                try:
+                    self._add_noise()
+                except BaseException:
+                    self._discard()
+                    raise
+                self._accumulate(b, factors)
             except BaseException:
-                self._discard()
+                self._pending = None
+                write.result()  # the entry stands (over-counting is the safe side); surface the error
                 raise
-            self._accumulate(b, factors)
-        except BaseException:
-            self._pending = None
-            write.result()  # the entry stands (over-counting is the safe side); surface the error
-            raise
-        self._records += b
+            self._release(write)
         if drawn is not None:
             self._drawn_at_release = drawn
-        self._release(write)
-        for g, (_, gs) in zip(self._groups, self._pending):
+        for g, (_, gs) in zip(self._groups, self._pending):  # type: ignore[union-attr]
             g.gs, g.ns = gs, g.query.initial_norm_state()
         self._pending = None
         self._records = 0
         self.original_optimizer.step()
         self.last_step_released = True
         return loss
+
+    def _noised_plans(self, norm_states: List[Any]) -> List[Tuple[ReleasePlan, Any]]:
+        return [
+            g.query.get_noised_plan(ns, g.gs, len(g.members), seed=derive_seed(self._seed, self._releases, gi, 0x5EED))
+            for gi, (g, ns) in enumerate(zip(self._groups, norm_states))
+        ]
+
+    def _step_distributed(self, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException] = None) -> None:
+        """One data-parallel release (:mod:`dpcore.torch._distributed`): the queries' plans
+        from the norm states of all ranks, decided on rank 0; this rank's clipped sums (and on
+        rank 0 the noise) accumulated into flat buffers; one all-reduce; rank 0 records the
+        release durably and tells the others, and only then does any rank apply it."""
+        comm = self._comm
+        assert comm is not None
+        step = self._releases
+        try:
+            # Adaptive clipping's count is a sum over all ranks' records, and its noise comes
+            # from rank 0 alone: the plans are made there and sent to every rank.
+            why = None if failed is None else f"{type(failed).__name__}: {failed}"
+            gathered = comm.gather((why, [g.ns for g in self._groups]), f"step {step}: gathering the queries' norm states")
+            if failed is not None:
+                self._discard()
+                return  # the caller raises this rank's own error
+            bad = [(r, w) for r, (w, _) in enumerate(gathered) if w is not None]
+            if bad:
+                raise DistributedError(
+                    f"step {step}: rank {bad[0][0]} failed ({bad[0][1]}); nothing was released or recorded"
+                )
+            states = [st for _, st in gathered]
+            merged: Any = None
+            if comm.is_root:
+                merged = states[0]
+                for other in states[1:]:
+                    merged = [g.query.merge_norm_states(a, o) for g, a, o in zip(self._groups, merged, other)]
+            self._pending = comm.share(
+                self._noised_plans(merged) if comm.is_root else None, f"step {step}: sharing the release plans"
+            )
+            bufs, views = flat_views(self._params)
+            for k, acc in enumerate(self._acc):  # earlier micro-batches of this logical batch
+                if acc is not None:
+                    views[k].add_(acc.to(device=views[k].device, dtype=views[k].dtype))
+            self._acc = list(views)
+            if comm.is_root:
+                self._add_noise()  # the release's noise, once, from rank 0's generator
+            self._accumulate(b, factors)  # in place into the views
+            comm.sum_(bufs, f"step {step}: all-reduce of the clipped sums")
+        except BaseException:
+            self._discard()
+            raise
+        device = self._params[0].device
+        if comm.is_root:
+            try:
+                self.ledger.record_release(self._event())
+            except BaseException:
+                self._discard()
+                try:
+                    comm.commit(False, device, f"step {step}: telling the ranks the ledger write failed")
+                except DistributedError:
+                    pass  # the ledger's error is the one to report
+                raise
+            # The entry is durable; if the commit cannot reach a rank, that rank raises, and
+            # the ledger counts a release that this rank holds (the safe side).
+            comm.commit(True, device, f"step {step}: committing the release")
+        else:
+            try:
+                # (this rank's flag is overwritten by rank 0's)
+                ok = comm.commit(False, device, f"step {step}: waiting for rank 0 to record the release")
+            except BaseException:
+                self._discard()
+                raise
+            if not ok:
+                self._discard()
+                raise DistributedError(f"step {step}: rank 0 could not record the release in the ledger; nothing applied")
+            self.ledger.record_release(self._event())  # the replica
+        self._releases += 1
+        for k, gr in enumerate(self._acc):
+            self._params[k].grad = gr
+        self._acc = [None] * len(self._acc)

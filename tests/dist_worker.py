@@ -1,0 +1,119 @@
+"""One rank of the data-parallel tests (tests/test_torch_distributed.py starts two of these).
+
+Usage: python dist_worker.py SCENARIO OUTDIR [key=value ...]; the rank and world come from the
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as torchrun sets them. Each rank writes
+OUTDIR/rank{r}.pt with what the test compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpcore
+from dpcore.torch import DistributedError, make_private
+
+N, D, K = 240, 12, 3
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=g)
+    y = torch.randint(0, K, (N,), generator=g)
+    return TensorDataset(x, y)
+
+
+def model(init_seed: int) -> torch.nn.Module:
+    torch.manual_seed(init_seed)
+    return torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, K))
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    opts = dict(a.split("=", 1) for a in sys.argv[3:])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(opts.get("timeout", 60))))
+    rank = dist.get_rank()
+    steps = int(opts.get("steps", 5))
+    batch = int(opts.get("batch", 48))
+    z = float(opts.get("noise", 0.0))
+    clip = float(opts.get("clip", 0.5))
+    seed = int(opts["seed"]) if "seed" in opts else None
+    ledger = opts.get("ledger", os.path.join(out, "ledger.jsonl"))
+    # Different initial weights on each rank: make_private must start every rank from rank 0's.
+    net: torch.nn.Module = model(100 + rank)
+    if opts.get("ddp") == "1":
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    kw = {}
+    if "physical" in opts:
+        kw["max_physical_batch_size"] = int(opts["physical"])
+    if scenario == "noise":
+        net = torch.nn.Linear(200, 100)
+        ds = TensorDataset(torch.randn(N, 200), torch.zeros(N, 100))
+    else:
+        ds = dataset()
+    if opts.get("adaptive") == "1":
+        from dpcore.queries import QuantileAdaptiveClipQuery
+
+        q = batch / N
+        kw["query"] = QuantileAdaptiveClipQuery(
+            initial_l2_norm_clip=clip, noise_multiplier=z, target_unclipped_quantile=0.5, learning_rate=0.2,
+            clipped_count_stddev=0.0, expected_num_records=q * N, denominator=q * N,
+        )
+    else:
+        kw["noise_multiplier"], kw["max_grad_norm"] = z, clip
+    opt = torch.optim.SGD(net.parameters(), lr=float(opts.get("lr", 0.5 if scenario != "noise" else 1.0)))
+    net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed, **kw)
+    loader.steps = steps
+    result: dict = {"indices": [], "sizes": [], "errors": None, "completed": 0, "clips": []}
+    before = [p.detach().clone() for p in net.parameters()]
+    cur: list = []
+    die_after = int(opts.get("die_after", -1))
+    t0 = time.monotonic()
+    try:
+        for x, y in loader:
+            cur.append(loader.last_indices.copy())
+            opt.zero_grad()
+            if len(x):
+                out_ = net(x)
+                if scenario == "noise":
+                    loss = (out_ * 0.0).sum()
+                else:
+                    loss = torch.nn.functional.cross_entropy(out_, y)
+                loss.backward()
+            opt.step()
+            if opt.last_step_released:
+                import numpy as np
+
+                result["indices"].append(np.concatenate(cur) if cur else np.zeros(0, np.int64))
+                result["sizes"].append(sum(len(c) for c in cur))
+                cur = []
+                result["completed"] += 1
+                result["clips"].append(opt._groups[0].plan().l2_norm_clip)
+                if rank == 1 and result["completed"] == die_after:
+                    os._exit(3)  # dies between steps, without a word to the others
+    except DistributedError as e:
+        result["errors"] = f"{type(e).__name__}: {e}"
+        result["error_after_s"] = time.monotonic() - t0
+    result["params"] = [p.detach().clone() for p in net.parameters()]
+    result["before"] = before
+    result["updates"] = [b - a for a, b in zip(result["params"], before)]
+    result["epsilon"] = opt.get_epsilon(1e-5)
+    result["replica"] = opt.ledger.is_replica
+    result["ledger_path"] = opt.ledger.path
+    result["releases"] = opt.ledger.num_releases
+    result["noise_std"] = z * clip / (batch / N * N)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if result["errors"] is None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

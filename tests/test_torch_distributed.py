@@ -1,0 +1,189 @@
+"""Data-parallel DP-SGD on torch.distributed: two gloo ranks on CPU against one process.
+
+Each test starts two ranks of tests/dist_worker.py as torchrun would (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT in the environment) and compares what they saved.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import dpcore  # noqa: E402
+from dpcore.torch import DPOptimizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+
+WORKER = str(Path(__file__).parent / "dist_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out: Path, world: int = 2, timeout: float = 240, **opts: object) -> list:
+    """Runs ``world`` ranks to the end; returns their exit codes (stderr kept in out/log{r})."""
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = open(out / f"log{r}", "w")
+        args = [sys.executable, WORKER, scenario, str(out)] + [f"{k}={v}" for k, v in opts.items()]
+        procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT))
+    codes = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            codes.append(p.wait(max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"ranks did not finish in {timeout} s: " + (out / "log0").read_text()[-2000:])
+    return codes
+
+
+def load(out: Path, rank: int) -> dict:
+    return torch.load(out / f"rank{rank}.pt", weights_only=False)
+
+
+def _ok(codes: list, out: Path) -> None:
+    for r, c in enumerate(codes):
+        assert c == 0, f"rank {r} exited with {c}: " + (out / f"log{r}").read_text()[-3000:]
+
+
+def single_process(indices: list, *, clip: float, batch: int, lr: float = 0.5, adaptive: bool = False) -> list:
+    """The same training in one process, on the union of the ranks' samples at each step."""
+    net = dist_worker.model(100)  # rank 0's initial weights
+    ds = dist_worker.dataset()
+    q = batch / dist_worker.N
+    kw: dict = {}
+    if adaptive:
+        from dpcore.queries import QuantileAdaptiveClipQuery
+
+        kw["query"] = QuantileAdaptiveClipQuery(
+            initial_l2_norm_clip=clip, noise_multiplier=0.0, target_unclipped_quantile=0.5, learning_rate=0.2,
+            clipped_count_stddev=0.0, expected_num_records=q * dist_worker.N, denominator=q * dist_worker.N,
+        )
+    else:
+        kw.update(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=q * dist_worker.N)
+    opt = DPOptimizer(torch.optim.SGD(net.parameters(), lr=lr), model=net, **kw)
+    for idx in indices:
+        x, y = ds.tensors[0][torch.from_numpy(idx)], ds.tensors[1][torch.from_numpy(idx)]
+        opt.zero_grad()
+        if len(x):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.ledger.record_sample(dist_worker.N, q, "poisson", seeded=True)
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+def _check_matches_one_process(out: Path, *, batch: int = 48, adaptive: bool = False) -> None:
+    r0, r1 = load(out, 0), load(out, 1)
+    # the ranks' parameters are bit-identical
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+    # each rank sampled only its shard; together, one sample per step
+    steps = len(r0["indices"])
+    assert steps == len(r1["indices"]) > 0
+    union = []
+    for i0, i1 in zip(r0["indices"], r1["indices"]):
+        assert np.all(i0 % 2 == 0) and np.all(i1 % 2 == 1)
+        assert len(np.unique(i0)) == len(i0) and len(np.unique(i1)) == len(i1)
+        union.append(np.sort(np.concatenate([i0, i1])))
+    assert [len(u) for u in union] == [a + b for a, b in zip(r0["sizes"], r1["sizes"])]
+    ref = single_process(union, clip=0.5, batch=batch, adaptive=adaptive)
+    for a, b in zip(r0["params"], ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # and training moved them: the comparison is not between two untouched models
+    assert any(not torch.allclose(a, b) for a, b in zip(r0["params"], r0["before"]))
+    if adaptive:
+        assert r0["clips"] == r1["clips"] and len(set(r0["clips"])) > 1
+
+
+@pytest.mark.parametrize("ddp", ["0", "1"])
+def test_two_ranks_train_like_one_process(tmp_path: Path, ddp: str) -> None:
+    _ok(launch("train", tmp_path, seed=11, steps=5, ddp=ddp), tmp_path)
+    _check_matches_one_process(tmp_path)
+    assert load(tmp_path, 0)["releases"] == load(tmp_path, 1)["releases"] == 5
+
+
+def test_two_ranks_virtual_batches_and_adaptive_clipping(tmp_path: Path) -> None:
+    """Micro-batches of at most 5 records (ranks step different numbers of times per logical
+    batch) and adaptive clipping, whose count is summed over the ranks."""
+    _ok(launch("train", tmp_path, seed=5, steps=6, physical=5, adaptive=1), tmp_path)
+    _check_matches_one_process(tmp_path, adaptive=True)
+
+
+def test_noise_is_added_once_with_the_single_process_stddev(tmp_path: Path) -> None:
+    """Zero loss: the update is the noise alone, N(0, (σC/(qN))²) per coordinate, the same on
+    both ranks: not √2 times larger (each rank adding noise), not √2 smaller (shares)."""
+    _ok(launch("noise", tmp_path, noise=1.3, clip=2.0, steps=1), tmp_path)
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    u0 = torch.cat([u.reshape(-1) for u in r0["updates"]]).double()
+    u1 = torch.cat([u.reshape(-1) for u in r1["updates"]]).double()
+    assert torch.equal(u0, u1)
+    want = r0["noise_std"]  # lr = 1
+    assert u0.numel() > 20000
+    assert abs(u0.std().item() / want - 1) < 0.05
+    assert abs(u0.mean().item()) < 5 * want / u0.numel() ** 0.5
+
+
+def test_dead_rank_fails_the_step_and_the_ledger_holds_the_released_steps(tmp_path: Path) -> None:
+    codes = launch("train", tmp_path, steps=8, die_after=3, timeout=30, seed=3)
+    assert codes[1] == 3, (tmp_path / "log1").read_text()[-2000:]
+    assert codes[0] == 0, (tmp_path / "log0").read_text()[-3000:]
+    r0 = load(tmp_path, 0)
+    assert r0["errors"] is not None and "DistributedError" in r0["errors"]
+    assert r0["error_after_s"] < 60
+    assert r0["completed"] == 3
+    led = dpcore.PrivacyLedger.load(tmp_path / "ledger.jsonl")
+    assert led.num_releases == 3
+    assert all(len(s.queries) == 1 for s in led.samples)
+
+
+def test_only_rank_zero_writes_the_ledger_and_a_restart_continues_it(tmp_path: Path) -> None:
+    path = tmp_path / "shared" / "ledger.jsonl"
+    path.parent.mkdir()
+    _ok(launch("train", tmp_path, steps=4, noise=1.0, ledger=str(path)), tmp_path)
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    assert not r0["replica"] and r1["replica"] and r0["ledger_path"] == str(path)
+    assert str(path) in r1["ledger_path"] and r1["ledger_path"] != str(path)
+    led = dpcore.PrivacyLedger.load(path)
+    assert led.num_releases == 4 and len(led.samples) == 4
+    assert [s.population_size for s in led.samples] == [dist_worker.N] * 4
+    assert all(s.sampling_probability == pytest.approx(48 / dist_worker.N) for s in led.samples)
+    assert r0["epsilon"] == pytest.approx(led.get_epsilon(1e-5), rel=1e-12)
+    assert r1["epsilon"] == r0["epsilon"]  # the replica answers on rank 1
+    assert sorted(os.listdir(path.parent)) == ["ledger.jsonl"]
+    # a second run (a restart) continues the same ledger on both ranks
+    _ok(launch("train", tmp_path, steps=3, noise=1.0, ledger=str(path)), tmp_path)
+    r0b, r1b = load(tmp_path, 0), load(tmp_path, 1)
+    led = dpcore.PrivacyLedger.load(path)
+    assert led.num_releases == 7
+    assert r0b["epsilon"] == pytest.approx(led.get_epsilon(1e-5), rel=1e-12) == r1b["epsilon"]
+    assert r0b["epsilon"] > r0["epsilon"]
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    """The README's launch line: torchrun --standalone --nproc-per-node 2."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), WORKER, "train", str(tmp_path), "steps=3", "seed=2"]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _check_matches_one_process(tmp_path)
