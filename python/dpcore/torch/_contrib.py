@@ -103,12 +103,14 @@ def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
 class Factored(Contribution):
     """Per-record gradient Σ_t g_t a_tᵀ of ``param`` viewed as (rows, din); ``a=None``: Σ_t g_t."""
 
-    __slots__ = ("param", "rows", "a", "g")
+    __slots__ = ("param", "rows", "a", "g", "colsum")
 
     def __init__(self, param: nn.Parameter, a: Optional[torch.Tensor], g: torch.Tensor, rows: RowRange = None) -> None:
         self.param, self.rows = param, rows
         self.g = _btd(g)
         self.a = None if a is None else _btd(a)
+        #: Σ_t g_t per record (B, dout), left by the norm of a bias for its clipped sum.
+        self.colsum: Optional[torch.Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -134,18 +136,27 @@ class Factored(Contribution):
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         b, t, dout = self.g.shape
-        key = (id(self.g), id(c))
-        gc = cache.get(key) if cache is not None else None
-        if gc is None:
-            gc = self.g * c.to(self.g.dtype)[:, None, None]
-            if cache is not None:
-                cache[key] = gc  # the bias of the same layer scales the same output gradients
         if self.a is None:
-            _rows_view(self.param, self.rows, acc).add_(gc.sum((0, 1)).to(acc.dtype))
+            if self.colsum is not None:  # Σ_i c_i (Σ_t g_it) from the sums the norm formed
+                s = c.to(self.colsum.dtype) @ self.colsum
+            else:
+                s = (self.g * c.to(self.g.dtype)[:, None, None]).sum((0, 1))
+            _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
             return
         din = self.a.shape[2]
         target = _rows_view(self.param, self.rows, acc.view(acc.shape[0], -1))
-        lhs, rhs = gc.reshape(b * t, dout).t(), self.a.reshape(b * t, din)
+        # c_i scales record i's narrower factor (Σ_t g_t (c·a_t)ᵀ = Σ_t (c·g_t) a_tᵀ); uses that
+        # share a factor (q/k/v rows of one input, an LSTM's gate gradients) share its copy.
+        scale_a = din <= dout
+        f = self.a if scale_a else self.g
+        key = (id(f), id(c))
+        fc = cache.get(key) if cache is not None else None
+        if fc is None:
+            fc = f * c.to(f.dtype)[:, None, None]
+            if cache is not None:
+                cache[key] = fc
+        gg, aa = (self.g, fc) if scale_a else (fc, self.a)
+        lhs, rhs = gg.reshape(b * t, dout).t(), aa.reshape(b * t, din)
         if target.dtype == lhs.dtype:
             target.addmm_(lhs, rhs.to(lhs.dtype))  # one pass: the product accumulates in place
         else:
@@ -253,11 +264,11 @@ def _exact_matmul(t: torch.Tensor) -> bool:
 
 
 def _gram(x: torch.Tensor, cache: Optional[dict], key: Any) -> torch.Tensor:
-    """x xᵀ per record in float64, shared between uses with the same factor (an LSTM's
+    """x xᵀ per record (in x's dtype), shared between uses with the same factor (an LSTM's
     weight_ih and weight_hh have the same gate gradients)."""
     if cache is not None and key in cache:
         return cache[key]
-    out = torch.bmm(x, x.transpose(1, 2)).double()
+    out = torch.bmm(x, x.transpose(1, 2))
     if cache is not None:
         cache[key] = out
     return out
@@ -277,6 +288,14 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
         if t == 1:
             return sg
         gn = sg.sqrt().view(b, t)
+        if g.dtype == torch.float32:
+            # Summed in float32 (no float64 copy of g): each coordinate of the computed Σ_t g_t
+            # is within γ_t Σ_t |g_t| of the exact one, so the norm within γ_t Σ_t ‖g_t‖.
+            cols = g.sum(1)
+            if len(cs) == 1:
+                cs[0].colsum = cols  # the clipped sum adds exactly these vectors
+            rel = _gamma(t, g.dtype) * (1.0 + 1e-6)
+            return (_sq(cols, 1).sqrt() + (rel + 2.0 * (t + 2) * _U64) * gn.sum(1)).square()
         bs = _sq(g.sum(1, dtype=torch.float64), 1)
         return (bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square()
     a = cs[0].a if len(cs) == 1 else torch.cat([c.a for c in cs], 1)
@@ -298,11 +317,15 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
                 ai, gi = ai.double(), gi.double()
             ga = _gram(ai, cache, (id(a), i, fast))
             gg = _gram(gi, cache, (id(g), i, fast))
-            parts.append((ga * gg).sum((1, 2)))
+            # each row's t products summed in the Grams' dtype, the rows in float64
+            parts.append((ga * gg).sum(2).double().sum(1))
         w = torch.cat(parts)
-        if fast:  # |Âts·Ĝts − Ats·Gts| ≤ (γ_din + γ_dout + γ_din·γ_dout)‖a_t‖‖a_s‖‖g_t‖‖g_s‖
+        if fast:
+            # |Âts·Ĝts − Ats·Gts| ≤ (γ_din + γ_dout + γ_din·γ_dout)‖a_t‖‖a_s‖‖g_t‖‖g_s‖, and the
+            # float32 product and row sums add γ_{t+1} of Σ_{t,s}|Âts·Ĝts| ≤ (1 + rel)·s²
             ga_, gg_ = _gamma(din, g.dtype), _gamma(dout, g.dtype)
             rel = ga_ + gg_ + ga_ * gg_
+            rel = rel + _gamma(t + 1, g.dtype) * (1.0 + rel)
         else:
             rel = 0.0
         err = (rel * (1.0 + 1e-6) + 2.0 * (din + dout + t * t + 8) * _U64) * s.square()
