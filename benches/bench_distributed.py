@@ -2,7 +2,7 @@
 
 Side by side in one run (gloo on CPU, or NCCL with ``--backend nccl`` on a GPU machine), each
 configuration in its own processes, on the MLP 784-1024-256-10 (1.07 M parameters) and a
-Conv2d net (4 × (Conv2d 3×3 + GroupNorm + ReLU), 32×32×3 inputs), global batch B:
+Conv2d net (4 × (Conv2d 3×3 + GroupNorm + ReLU), 32×32×3 inputs), global batch B (256 and 64):
 
 * ``np-1``: one process, non-private (``--threads`` threads);
 * ``dp-1``: one process, ``dpcore.torch.DPOptimizer`` (clipping, noise, ledger fsync);
@@ -19,8 +19,8 @@ the ratio DP/non-private at each world size, and the *communication overhead of 
 non-private training (target ≤ 1.2). The seconds per step dpcore spends inside its collectives
 are shown beside it.
 
-``python benches/bench_distributed.py [--models mlp cnn] [--steps 30] [--batch 256] [--json F]``
-(about 3 minutes on 2 CPU cores).
+``python benches/bench_distributed.py [--models mlp cnn] [--steps 30] [--batch B] [--json F]``
+(about 5 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def child(model: str, config: str, steps: int, batch: int, threads: int, backend
         dist.destroy_process_group()
 
 
-def run(model: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
+def run(model: str, config: str, args: argparse.Namespace, batch: int) -> Dict[str, Any]:
     world = 2 if config.endswith("-2") else 1
     threads = args.threads if world == 1 else max(1, args.threads // 2)
     with socket.socket() as s:
@@ -124,7 +124,7 @@ def run(model: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
     for r in range(world):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, __file__, "--one", model, config, str(args.steps), str(args.batch), str(threads), args.backend, out]
+        cmd = [sys.executable, __file__, "--one", model, config, str(args.steps), str(batch), str(threads), args.backend, out]
         procs.append(subprocess.Popen(cmd, env=env))
     for p in procs:
         if p.wait(600) != 0:
@@ -141,7 +141,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: MLP 256, CNN 64)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="threads of a single process; each of 2 ranks gets half")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -149,16 +149,16 @@ def main() -> None:
     args = ap.parse_args()
     results: Dict[str, Any] = {}
     for model in args.models:
+        b = args.batch or {"mlp": 256, "cnn": 64}[model]
         pooled: Dict[str, List[float]] = {c: [] for c in CONFIGS}
         comm: List[float] = []
         for r in range(args.rounds):
             for c in CONFIGS if r % 2 == 0 else CONFIGS[::-1]:
-                res = run(model, c, args)
+                res = run(model, c, args, b)
                 pooled[c] += res["times"]
                 if c == "dp-2":
                     comm += res["comm"]
         med = {c: statistics.median(v) * 1e3 for c, v in pooled.items()}
-        b = args.batch
         print(f"\n{model}, global batch {b}, {args.backend}")
         print(f"{'config':8} {'median ms':>10} {'records/s':>10}")
         for c in CONFIGS:
