@@ -75,11 +75,15 @@ def main() -> None:
     before = [p.detach().clone() for p in net.parameters()]
     cur: list = []
     die_after = int(opts.get("die_after", -1))
+    nan_at = int(opts.get("nan_at", -1))
     t0 = time.monotonic()
     try:
         for x, y in loader:
             cur.append(loader.last_indices.copy())
             opt.zero_grad()
+            if rank == 1 and result["completed"] == nan_at and len(x):
+                x = x.clone()
+                x[0] = float("nan")  # a bad record on one rank only
             if len(x):
                 out_ = net(x)
                 if scenario == "noise":
@@ -98,7 +102,7 @@ def main() -> None:
                 result["clips"].append(opt._groups[0].plan().l2_norm_clip)
                 if rank == 1 and result["completed"] == die_after:
                     os._exit(3)  # dies between steps, without a word to the others
-    except DistributedError as e:
+    except (DistributedError, ValueError) as e:
         result["errors"] = f"{type(e).__name__}: {e}"
         result["error_after_s"] = time.monotonic() - t0
     result["params"] = [p.detach().clone() for p in net.parameters()]

@@ -156,6 +156,21 @@ def test_dead_rank_fails_the_step_and_the_ledger_holds_the_released_steps(tmp_pa
     assert all(len(s.queries) == 1 for s in led.samples)
 
 
+@pytest.mark.parametrize("adaptive", ["0", "1"])
+def test_bad_record_on_one_rank_fails_every_rank_at_once(tmp_path: Path, adaptive: str) -> None:
+    """A non-finite gradient on rank 1 raises there (a ValueError naming it); rank 0 learns of
+    it in the same step (in the all-reduce, or with adaptive clipping in the gathered norm
+    states) instead of waiting for the timeout, and nothing of that step is recorded."""
+    codes = launch("train", tmp_path, steps=6, nan_at=2, timeout=60, seed=4, adaptive=adaptive)
+    _ok(codes, tmp_path)
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    assert r1["errors"].startswith("ValueError") and "finite" in r1["errors"]
+    assert r0["errors"].startswith("DistributedError") and "failed" in r0["errors"]
+    assert r0["error_after_s"] < 30
+    assert r0["completed"] == r1["completed"] == 2
+    assert dpcore.PrivacyLedger.load(tmp_path / "ledger.jsonl").num_releases == 2
+
+
 def test_only_rank_zero_writes_the_ledger_and_a_restart_continues_it(tmp_path: Path) -> None:
     path = tmp_path / "shared" / "ledger.jsonl"
     path.parent.mkdir()

@@ -100,6 +100,10 @@ class DPQuery:
     def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> Any:
         return norm_state_1
 
+    #: True when :meth:`get_noised_plan` is a function of the global state alone (no norm
+    #: state, no randomness): callers on several processes may then each compute it.
+    plan_from_global_state: bool = False
+
     def get_noised_plan(
         self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
     ) -> Tuple["ReleasePlan", Any]:

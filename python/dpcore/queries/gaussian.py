@@ -115,6 +115,8 @@ class GaussianSumQuery(DPQuery):
         result = st.noised([gs.stddev * a for a in scales], self._denominator(), seed)
         return result, gs, event
 
+    plan_from_global_state = True
+
     def get_noised_plan(
         self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
     ) -> Tuple[ReleasePlan, GaussianGlobalState]:

@@ -137,15 +137,17 @@ def _by_dtype_device(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[torch.dtype,
     return out
 
 
-def flat_views(params: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+def flat_views(params: Sequence[torch.Tensor], flag: bool = False) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Zeroed flat buffers (one per dtype and device) and, for each parameter, a contiguous view
     into one of them shaped like it: accumulating into the views fills the buffers that one
-    all-reduce per buffer then sums, with no copy."""
+    all-reduce per buffer then sums, with no copy. ``flag``: the first buffer gets one more
+    element after the views (each rank puts 1 there when it failed; the sum counts them)."""
     groups = _by_dtype_device(params)
     bufs: List[torch.Tensor] = []
     views: Dict[int, torch.Tensor] = {}
     for (dt, dev), ps in groups.items():
-        buf = torch.zeros(sum(p.numel() for p in ps), dtype=dt, device=dev)
+        extra = 1 if flag and not bufs else 0
+        buf = torch.zeros(sum(p.numel() for p in ps) + extra, dtype=dt, device=dev)
         bufs.append(buf)
         off = 0
         for p in ps:

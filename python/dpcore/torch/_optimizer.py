@@ -488,6 +488,27 @@ class DPOptimizer(torch.optim.Optimizer):
             for gi, (g, ns) in enumerate(zip(self._groups, norm_states))
         ]
 
+    def _shared_plans(self, step: int, failed: Optional[BaseException]) -> Any:
+        """Plans that depend on the records (adaptive clipping's count is a sum over all ranks'
+        records, its noise drawn by rank 0 alone): made on rank 0 from every rank's norm
+        state and sent to all. A rank that failed says so here, and every rank stops."""
+        comm = self._comm
+        assert comm is not None
+        why = None if failed is None else f"{type(failed).__name__}: {failed}"
+        gathered = comm.gather((why, [g.ns for g in self._groups]), f"step {step}: gathering the queries' norm states")
+        if failed is not None:
+            self._discard()
+            return None
+        bad = [(r, w) for r, (w, _) in enumerate(gathered) if w is not None]
+        if bad:
+            raise DistributedError(f"step {step}: rank {bad[0][0]} failed ({bad[0][1]}); nothing was released or recorded")
+        merged: Any = None
+        if comm.is_root:
+            merged = gathered[0][1]
+            for _, other in gathered[1:]:
+                merged = [g.query.merge_norm_states(a, o) for g, a, o in zip(self._groups, merged, other)]
+        return comm.share(self._noised_plans(merged) if comm.is_root else None, f"step {step}: sharing the release plans")
+
     def _step_distributed(self, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException] = None) -> None:
         """One data-parallel release (:mod:`dpcore.torch._distributed`): the queries' plans
         from the norm states of all ranks, decided on rank 0; this rank's clipped sums (and on
@@ -496,37 +517,38 @@ class DPOptimizer(torch.optim.Optimizer):
         comm = self._comm
         assert comm is not None
         step = self._releases
+        local = all(g.query.plan_from_global_state for g in self._groups)
         try:
-            # Adaptive clipping's count is a sum over all ranks' records, and its noise comes
-            # from rank 0 alone: the plans are made there and sent to every rank.
-            why = None if failed is None else f"{type(failed).__name__}: {failed}"
-            gathered = comm.gather((why, [g.ns for g in self._groups]), f"step {step}: gathering the queries' norm states")
-            if failed is not None:
-                self._discard()
-                return  # the caller raises this rank's own error
-            bad = [(r, w) for r, (w, _) in enumerate(gathered) if w is not None]
-            if bad:
-                raise DistributedError(
-                    f"step {step}: rank {bad[0][0]} failed ({bad[0][1]}); nothing was released or recorded"
-                )
-            states = [st for _, st in gathered]
-            merged: Any = None
-            if comm.is_root:
-                merged = states[0]
-                for other in states[1:]:
-                    merged = [g.query.merge_norm_states(a, o) for g, a, o in zip(self._groups, merged, other)]
-            self._pending = comm.share(
-                self._noised_plans(merged) if comm.is_root else None, f"step {step}: sharing the release plans"
-            )
-            bufs, views = flat_views(self._params)
-            for k, acc in enumerate(self._acc):  # earlier micro-batches of this logical batch
-                if acc is not None:
-                    views[k].add_(acc.to(device=views[k].device, dtype=views[k].dtype))
-            self._acc = list(views)
-            if comm.is_root:
-                self._add_noise()  # the release's noise, once, from rank 0's generator
-            self._accumulate(b, factors)  # in place into the views
+            if local:
+                # Fixed clipping: every rank computes the same plans from the same global state.
+                # A rank that failed says so in the all-reduce itself (a count after the sums).
+                self._pending = self._noised_plans([g.ns for g in self._groups])
+            else:
+                self._pending = self._shared_plans(step, failed)
+                if failed is not None:
+                    return  # the caller raises this rank's own error
+            bufs, views = flat_views(self._params, flag=local)
+            if failed is None:
+                for k, acc in enumerate(self._acc):  # earlier micro-batches of this logical batch
+                    if acc is not None:
+                        views[k].add_(acc.to(device=views[k].device, dtype=views[k].dtype))
+                self._acc = list(views)
+                if comm.is_root:
+                    self._add_noise()  # the release's noise, once, from rank 0's generator
+                self._accumulate(b, factors)  # in place into the views
+            elif local:
+                bufs[0][-1] = 1
             comm.sum_(bufs, f"step {step}: all-reduce of the clipped sums")
+            if local:
+                failures = int(bufs[0][-1].item())
+                if failed is not None:
+                    self._discard()
+                    return
+                if failures:
+                    raise DistributedError(
+                        f"step {step}: {failures} rank(s) failed before the all-reduce (see their errors); "
+                        "nothing was released or recorded"
+                    )
         except BaseException:
             self._discard()
             raise
