@@ -13,6 +13,7 @@ pub mod chacha;
 pub mod clip;
 pub mod error;
 pub mod kernels;
+pub mod ledger;
 pub mod mechanism;
 pub mod noise;
 pub mod records;

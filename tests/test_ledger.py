@@ -52,7 +52,7 @@ def test_format_and_roundtrip(tmp_path):
         led.record_release(NonPrivateQueryEvent())
         led.record_sample(60000, 0.01, "shuffle")  # never released: costs nothing, not written
     ls = [json.loads(x) for x in lines(p)]
-    assert ls[0] == {"format": "dpcore-privacy-ledger", "version": 1}
+    assert ls[0] == {"format": "dpcore-privacy-ledger", "version": 1, "privacy_unit": "example"}
     assert ls[1] == {
         "type": "sample", "sample": 0, "population_size": 60000, "sampling_probability": 0.01,
         "policy": "poisson", "sample_size": None, "seeded": False,
@@ -623,3 +623,100 @@ def test_roundtrip_property(tmp_path_factory, steps):
         else:
             ref = 1 / math.hypot(*(t.l2_norm_clip / t.stddev for t in exact))
             assert s.noise_multiplier() <= ref
+
+
+# -- the core's fast reader against the Python reader (the reference) --------------------------
+
+_MUTATIONS = [
+    ("0.", "1."), ("false", "true"), ("false", "0"), ("1.0", "true"), (", \"seeded\": false", ""), ("null", "0"),
+    ("null", "\"x\""), ("poisson", "poison"), ("\"sample\": 1,", "\"sample\": 3,"), ("\"version\": 1", "\"version\": 1.0"),
+    ("sum_query", "non_private"), ("}", ", \"extra\": 1}"), ("\"stddev\": ", "\"stddev\": -"), ("\n", "\n\n"), ("\"", "'"),
+    ("\"sample\": 0", "\"sample\": 0, \"sample\": 0"), ("poisson", "pois\\u0073on"), ("1000", "1e3"), ("\"population_size\": 1000", "\"population_size\": 0"),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["poisson", "shuffle", "fixed_size_without_replacement"]),
+            st.floats(0.0, 1.0, allow_nan=False),
+            st.integers(1, 3),
+            st.floats(0.01, 10.0),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    mutation=st.one_of(st.none(), st.tuples(st.sampled_from(_MUTATIONS), st.integers(0, 10**6))),
+    cut=st.one_of(st.none(), st.integers(1, 400)),
+)
+def test_fast_reader_accepts_only_what_the_python_reader_accepts(tmp_path_factory, steps, mutation, cut) -> None:
+    """Every ledger the core's reader accepts, the Python reader accepts with the same samples,
+    lines and unit (valid ledgers, one mutated spot, a torn tail); otherwise the file is read
+    by the Python reader, whose errors name the line."""
+    import dpcore.ledger._storage as storage
+
+    p = tmp_path_factory.mktemp("fast") / "l.jsonl"
+    with PrivacyLedger(p) as led:
+        for i, (policy, q, k, sd) in enumerate(steps):
+            if policy == "fixed_size_without_replacement":
+                led.record_sample(1000, None, policy, sample_size=int(q * 1000))
+            else:
+                led.record_sample(1000, q, policy)
+            for j in range(k):
+                led.record_release(SumQueryEvent(1.0 + j, sd))
+    data = p.read_bytes()
+    if mutation is not None:
+        (old, new), at = mutation
+        hits = [i for i in range(len(data)) if data.startswith(old.encode(), i)]
+        if hits:
+            i = hits[at % len(hits)]
+            data = data[:i] + new.encode() + data[i + len(old):]
+    if cut is not None:
+        data = data[: max(1, len(data) - cut)]
+
+    def python_read(d):
+        real = storage._core.ledger_scan
+        try:
+            storage._core.ledger_scan = lambda _d: (None, 0)
+            return storage._read("l", d, strict=False)
+        finally:
+            storage._core.ledger_scan = real
+
+    scanned, _ = storage._core.ledger_scan(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ref = python_read(data)
+        except LedgerError:
+            ref = None
+        if scanned is None:
+            return
+        assert ref is not None, f"the fast reader accepted what the Python reader refuses: {data!r}"
+        fast = storage._read("l", data, strict=False)
+    assert list(fast.samples) == list(ref.samples)
+    assert (fast.lines, fast.valid_bytes, fast.privacy_unit) == (ref.lines, ref.valid_bytes, ref.privacy_unit)
+    assert fast.torn == ref.torn
+
+
+def test_fast_reader_groups_a_long_ledger_into_runs(tmp_path) -> None:
+    p = tmp_path / "l.jsonl"
+    lines = ['{"format": "dpcore-privacy-ledger", "version": 1, "privacy_unit": "user"}']
+    for i in range(3000):
+        q = 0.01 if i < 2000 else 0.02
+        lines.append(f'{{"type": "sample", "sample": {i}, "population_size": 5000, "sampling_probability": {q}, '
+                     f'"policy": "poisson", "sample_size": null, "seeded": false}}')
+        lines.append(f'{{"type": "sum_query", "sample": {i}, "l2_norm_clip": 1.0, "stddev": 1.2}}')
+    p.write_text("\n".join(lines) + "\n")
+    led = PrivacyLedger.load(p)
+    assert led.privacy_unit == "user" and led.num_releases == 3000 and len(led.samples) == 3000
+    assert led._samples.runs()[0][1] == 2000 and len(led._samples.runs()) == 2
+    assert led.samples[2500].sample == 2500 and led.samples[2500].sampling_probability == 0.02
+    # continuing it appends after the runs, and the runs stay intact
+    with PrivacyLedger(p) as w:
+        w.record_sample(5000, 0.02)
+        w.record_release(SumQueryEvent(1.0, 1.2))
+    again = PrivacyLedger.load(p)
+    assert again.num_releases == 3001 and len(again._samples.runs()) == 2
+    with pytest.raises(LedgerError, match="privacy unit 'user'"):
+        PrivacyLedger(p, privacy_unit="example")

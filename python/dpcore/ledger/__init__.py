@@ -39,6 +39,7 @@ from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_account
 from ..events import SelfComposedEvent
 from ._events import check_neighboring, rdp_relation_error, samples_to_event
 from ._storage import (
+    DEFAULT_PRIVACY_UNIT,
     FIXED_SIZE,
     FORMAT,
     POISSON,
@@ -49,6 +50,7 @@ from ._storage import (
     LedgerFile,
     LedgerSample,
     LedgerWarning,
+    SampleLog,
     TornTail,
     _release_entries,
     _replace,
@@ -88,18 +90,26 @@ class PrivacyLedger:
         return result                                  # only now
     """
 
-    def __init__(self, path: "os.PathLike[str] | str") -> None:
+    def __init__(self, path: "os.PathLike[str] | str", *, privacy_unit: Optional[str] = None) -> None:
         self._path = os.fspath(path)
         if not isinstance(self._path, str):
             raise TypeError("path must be a str or os.PathLike[str]")
+        if privacy_unit is not None and (not isinstance(privacy_unit, str) or not privacy_unit.strip()):
+            raise ValueError(f"privacy_unit must be a non-empty string such as 'example' or 'user', got {privacy_unit!r}")
         self._file: Optional[LedgerFile] = None
         self._read_only: Optional[str] = None
         self._pending: Optional[LedgerSample] = None
         # Whether the last sample was recorded by this object: a release never attaches to a
         # sample from an earlier run of the ledger.
         self._current = False
-        self._file = LedgerFile(self._path, stacklevel=3)
+        self._file = LedgerFile(self._path, privacy_unit=privacy_unit, stacklevel=3)
         contents = self._file.contents
+        self._unit = contents.privacy_unit or DEFAULT_PRIVACY_UNIT
+        if privacy_unit is not None and privacy_unit != self._unit:
+            self._file.close()
+            raise LedgerError(
+                f"{self._path}: the ledger records privacy unit {self._unit!r}; it cannot be continued as {privacy_unit!r}"
+            )
         self._samples = contents.samples
         self.torn_tail: Optional[TornTail] = contents.torn
         self._lines = contents.lines
@@ -119,10 +129,11 @@ class PrivacyLedger:
         self._read_only = "opened read-only with load()"
         self._current = False
         self._samples, self.torn_tail, self._lines = contents.samples, contents.torn, contents.lines
+        self._unit = contents.privacy_unit or DEFAULT_PRIVACY_UNIT
         return self
 
     @classmethod
-    def _replica(cls, label: str, samples: Any) -> "PrivacyLedger":
+    def _replica(cls, label: str, samples: Any, privacy_unit: str = "example") -> "PrivacyLedger":
         """An in-memory ledger that follows another process's ledger, for ranks other than 0
         in data-parallel training (:mod:`dpcore.torch`): it starts from that ledger's samples
         and is sent the same entries, so ``get_epsilon`` answers on every rank, while only
@@ -130,7 +141,8 @@ class PrivacyLedger:
         self = cls.__new__(cls)
         self._path, self._read_only, self._pending, self._current = label, None, None, False
         self._file = _MemoryFile(label)  # type: ignore[assignment]
-        self._samples, self.torn_tail, self._lines = list(samples), None, 0
+        self._samples = samples.copy() if isinstance(samples, SampleLog) else SampleLog((), samples)
+        self.torn_tail, self._lines, self._unit = None, 0, privacy_unit
         return self
 
     @property
@@ -221,6 +233,11 @@ class PrivacyLedger:
         return self._path
 
     @property
+    def privacy_unit(self) -> str:
+        """What one record is ("example" unless the ledger was created with another unit)."""
+        return self._unit
+
+    @property
     def samples(self) -> Tuple[LedgerSample, ...]:
         """The recorded samples with their releases, in order (the pending sample excluded)."""
         return tuple(self._samples)
@@ -228,7 +245,7 @@ class PrivacyLedger:
     @property
     def num_releases(self) -> int:
         """Samples from which something was released (the steps that cost privacy)."""
-        return sum(1 for s in self._samples if s.released)
+        return sum(k for s, k in self._samples.runs() if s.released)
 
     def __repr__(self) -> str:
         return f"PrivacyLedger({self._path!r}, samples={len(self._samples)})"

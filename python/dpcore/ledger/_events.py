@@ -21,6 +21,12 @@ def check_neighboring(neighboring: Any) -> str:
     return neighboring
 
 
+def _runs(samples: Any) -> Any:
+    """(sample, count) pairs: the ledger's runs of identical samples, or each sample once."""
+    runs = getattr(samples, "runs", None)
+    return runs() if runs is not None else [(s, 1) for s in samples]
+
+
 def samples_to_event(
     samples: Sequence[LedgerSample], path: str, neighboring: str = "add_or_remove", *, stacklevel: int = 3
 ) -> Any:
@@ -37,7 +43,7 @@ def samples_to_event(
     scale = 1.0 if neighboring == "add_or_remove" else 0.5
     events: List[Any] = []
     shuffled = seeded = 0
-    for s in samples:
+    for s, count in _runs(samples):
         if not s.released:
             continue
         z = s.noise_multiplier() * scale
@@ -48,13 +54,13 @@ def samples_to_event(
         elif s.policy == FIXED_SIZE:
             ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, acc.GaussianEvent(z))
         else:
-            shuffled += 1
+            shuffled += count
             ev = acc.GaussianEvent(z)
-        seeded += s.seeded
+        seeded += s.seeded * count
         if events and events[-1][0] == ev:
-            events[-1][1] += 1
+            events[-1][1] += count
         else:
-            events.append([ev, 1])
+            events.append([ev, count])
     if shuffled:
         warnings.warn(
             f"{path}: {shuffled} sample(s) used the shuffle policy; they are accounted without "
@@ -81,7 +87,7 @@ def rdp_relation_error(samples: Sequence[LedgerSample], path: str, neighboring: 
     Its analyses exist for Poisson samples under add-or-remove and for fixed-size samples
     without replacement under replace-one only; a ledger is accounted under one relation.
     """
-    policies = {s.policy for s in samples if s.released and s.noise_multiplier() > 0}
+    policies = {s.policy for s, _ in _runs(samples) if s.released and s.noise_multiplier() > 0}
     if neighboring == "add_or_remove" and FIXED_SIZE in policies:
         return (
             f"{path}: the ledger holds fixed_size_without_replacement samples, which the RDP "

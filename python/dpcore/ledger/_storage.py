@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from .. import _core
 from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier
 
 FORMAT = "dpcore-privacy-ledger"
@@ -22,6 +23,10 @@ POISSON = "poisson"
 FIXED_SIZE = "fixed_size_without_replacement"
 SHUFFLE = "shuffle"
 POLICIES = (POISSON, FIXED_SIZE, SHUFFLE)
+#: What one record of the ledger's population is (the unit of privacy, Ponomareva et al. 2023,
+#: §5.3.3): recorded in the header when a ledger is created. Ledgers written before it was
+#: recorded are example-level.
+DEFAULT_PRIVACY_UNIT = "example"
 
 try:  # advisory lock so that two processes never append to one ledger
     import fcntl as _fcntl
@@ -222,11 +227,12 @@ def _expect_keys(obj: Dict[str, Any], keys: Tuple[str, ...], lineno: int, path: 
 
 @dataclass
 class _Contents:
-    samples: List[LedgerSample] = field(default_factory=list)
+    samples: "SampleLog" = field(default_factory=lambda: SampleLog())
     torn: Optional[TornTail] = None
     lines: int = 0
     valid_bytes: int = 0  # bytes up to the end of the last complete line
     has_header: bool = False
+    privacy_unit: Optional[str] = None
 
 
 _SAMPLE_KEYS = ("type", "sample", "population_size", "sampling_probability", "policy", "sample_size", "seeded")
@@ -241,7 +247,14 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
             raise LedgerError(
                 f"{path}, line 1: ledger format version {obj.get('version')!r} is not supported (this dpcore reads {VERSION})"
             )
-        _expect_keys(obj, ("format", "version"), 1, path)
+        if "privacy_unit" in obj:
+            _expect_keys(obj, ("format", "version", "privacy_unit"), 1, path)
+            unit = obj["privacy_unit"]
+            if not isinstance(unit, str) or not unit:
+                raise LedgerError(f"{path}, line 1: privacy_unit must be a non-empty string, got {unit!r}")
+            c.privacy_unit = unit
+        else:
+            _expect_keys(obj, ("format", "version"), 1, path)
         c.has_header = True
         return
     kind = obj.get("type")
@@ -289,20 +302,126 @@ def _replace(s: LedgerSample, **kw: Any) -> LedgerSample:
     return LedgerSample(**d)
 
 
+class SampleLog:
+    """The samples of a ledger, in order: runs of samples identical but for their ids (as the
+    fast reader returns them for a long ledger), then samples appended one at a time.
+
+    It behaves as the list of :class:`LedgerSample` it stands for (``len``, indexing,
+    iteration, ``append``, replacing the last one), while :meth:`runs` lets the accountant and
+    the report work on (sample, count) pairs without building a million objects."""
+
+    __slots__ = ("_runs", "_run_total", "_tail")
+
+    def __init__(self, runs: Any = (), tail: Any = ()) -> None:
+        self._runs: List[List[Any]] = [[s, int(k)] for s, k in runs]  # [first sample, count]
+        self._run_total = sum(k for _, k in self._runs)
+        self._tail: List[LedgerSample] = list(tail)
+
+    def copy(self) -> "SampleLog":
+        return SampleLog([(s, k) for s, k in self._runs], self._tail)
+
+    def __len__(self) -> int:
+        return self._run_total + len(self._tail)
+
+    def _at(self, i: int) -> LedgerSample:
+        for s, k in self._runs:
+            if i < k:
+                return s if i == 0 else _replace(s, sample=s.sample + i)
+            i -= k
+        raise IndexError(i)
+
+    def __getitem__(self, i: int) -> LedgerSample:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("sample index out of range")
+        if i >= self._run_total:
+            return self._tail[i - self._run_total]
+        if i == self._run_total - 1:  # the last run's last sample, without a walk
+            s, k = self._runs[-1]
+            return _replace(s, sample=s.sample + k - 1)
+        return self._at(i)
+
+    def __setitem__(self, i: int, value: LedgerSample) -> None:
+        if i not in (-1, len(self) - 1):
+            raise IndexError("only the last sample can be replaced")
+        if not self._tail:  # the last sample of the last run leaves it
+            self._runs[-1][1] -= 1
+            self._run_total -= 1
+            if self._runs[-1][1] == 0:
+                self._runs.pop()
+            self._tail.append(value)
+        else:
+            self._tail[-1] = value
+
+    def append(self, value: LedgerSample) -> None:
+        self._tail.append(value)
+
+    def __iter__(self) -> Any:
+        for s, k in self._runs:
+            yield s
+            for j in range(1, k):
+                yield _replace(s, sample=s.sample + j)
+        yield from self._tail
+
+    def runs(self) -> List[Tuple[LedgerSample, int]]:
+        """(first sample, count) of each run of samples equal but for their ids."""
+        out: List[Tuple[LedgerSample, int]] = [(s, k) for s, k in self._runs]
+        for s in self._tail:
+            if out and _same_but_id(out[-1][0], s):
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((s, 1))
+        return out
+
+
+def _same_but_id(a: LedgerSample, b: LedgerSample) -> bool:
+    return (
+        a.population_size == b.population_size
+        and a.sampling_probability == b.sampling_probability
+        and a.policy == b.policy
+        and a.sample_size == b.sample_size
+        and a.seeded == b.seeded
+        and a.queries == b.queries
+        and a.non_private == b.non_private
+    )
+
+
+def _from_scan(runs: Any) -> SampleLog:
+    out = []
+    for first, count, n, q, pol, b, seeded, non_private, queries in runs:
+        proto = LedgerSample(
+            int(first), int(n), float(q), POLICIES[pol], b, bool(seeded),
+            tuple(SumQueryEvent(c, sd) for c, sd in queries), bool(non_private),
+        )
+        out.append((proto, count))
+    return SampleLog(out)
+
+
 def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Contents:
     c = _Contents()
     if not data:
         return c
-    parts = data.split(b"\n")
-    complete, tail = parts[:-1], parts[-1]
-    offset = 0
-    for i, raw in enumerate(complete, start=1):
-        _apply(c, _parse_line(raw, i, path), i, path)
-        offset += len(raw) + 1
-        c.lines = i
-        c.valid_bytes = offset
+    # The complete lines by the core's fast reader; anything it refuses (with the line), and
+    # every error message, comes from the Python reader below, the reference.
+    scanned, _refused_at = _core.ledger_scan(data)
+    if scanned is not None:
+        lines, valid, unit, runs = scanned
+        c.samples, c.lines, c.valid_bytes, c.privacy_unit = _from_scan(runs), int(lines), int(valid), unit
+        c.has_header = c.lines >= 1
+        tail = data[c.valid_bytes :]
+    else:
+        parts = data.split(b"\n")
+        complete, tail = parts[:-1], parts[-1]
+        offset = 0
+        for i, raw in enumerate(complete, start=1):
+            _apply(c, _parse_line(raw, i, path), i, path)
+            offset += len(raw) + 1
+            c.lines = i
+            c.valid_bytes = offset
     if tail:
-        lineno = len(complete) + 1
+        lineno = c.lines + 1
         fragment = tail.decode("utf-8", errors="replace")
         msg = (
             f"{path}, line {lineno}: torn last line ({len(tail)} bytes without a newline): the writing "
@@ -313,13 +432,13 @@ def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Content
         counted = False
         try:
             obj = _parse_line(tail, lineno, path)
-            trial = _Contents(list(c.samples), None, c.lines, c.valid_bytes, c.has_header)
+            trial = _Contents(c.samples.copy(), None, c.lines, c.valid_bytes, c.has_header, c.privacy_unit)
             _apply(trial, obj, lineno, path)
         except LedgerError:
             pass
         else:
             c.samples, counted = trial.samples, True
-            c.has_header = trial.has_header
+            c.has_header, c.privacy_unit = trial.has_header, trial.privacy_unit
         warnings.warn(
             msg + ("; the fragment is a complete entry and is counted." if counted else "; the fragment is not counted: "
                    f"{fragment[:120]!r}"),
@@ -357,7 +476,7 @@ class LedgerFile:
     torn-line warnings are attributed to the same frames however deep the opener sits.
     """
 
-    def __init__(self, path: str, *, stacklevel: int = 2) -> None:
+    def __init__(self, path: str, *, privacy_unit: Optional[str] = None, stacklevel: int = 2) -> None:
         self.path = path
         self._fd: Optional[int] = None
         #: Why the file can no longer be written, once a failed write could not be undone.
@@ -373,10 +492,12 @@ class LedgerFile:
             contents = _read(path, data, strict=False, stacklevel=stacklevel + 2) if data else _Contents()
             self._fd = fd
             if not data:
-                self.write([{"format": FORMAT, "version": VERSION}])
+                unit = privacy_unit or DEFAULT_PRIVACY_UNIT
+                self.write([{"format": FORMAT, "version": VERSION, "privacy_unit": unit}])
                 _fsync_dir(path)
                 contents.has_header = True
                 contents.lines = 1
+                contents.privacy_unit = unit
             elif contents.torn is not None:
                 self._repair(contents, stacklevel + 1)
         except BaseException:

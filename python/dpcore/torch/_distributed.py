@@ -186,13 +186,17 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
                 opened = PrivacyLedger(path)
         except BaseException as e:
             err = e
-        msg = (None, f"{type(err).__name__}: {err}") if err is not None else (opened.path, list(opened.samples))  # type: ignore[union-attr]
+        msg = (
+            (None, f"{type(err).__name__}: {err}", None)
+            if err is not None
+            else (opened.path, opened._samples.copy(), opened.privacy_unit)  # type: ignore[union-attr]
+        )
         comm.share(msg, "sharing the ledger from rank 0")
         if err is not None:
             raise err
         assert opened is not None
         return opened
-    path, payload = comm.share(None, "sharing the ledger from rank 0")
+    path, payload, unit = comm.share(None, "sharing the ledger from rank 0")
     if path is None:
         raise LedgerError(f"rank 0 could not open the ledger: {payload}")
     if isinstance(ledger, PrivacyLedger):
@@ -202,7 +206,7 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
             f"rank {comm.rank}: under torch.distributed only rank 0 writes the ledger; pass the ledger's path "
             "(the same on every rank) or None on the other ranks, not an open PrivacyLedger"
         )
-    return PrivacyLedger._replica(f"<rank {comm.rank} replica of {path}>", payload)
+    return PrivacyLedger._replica(f"<rank {comm.rank} replica of {path}>", payload, unit)
 
 
 def unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:

@@ -78,7 +78,10 @@ impl Cgf {
         self.logs
             .par_iter()
             .map(|(l, c)| {
-                let m = l.iter().map(|&(k, v)| v + lambda * k).fold(f64::NEG_INFINITY, f64::max);
+                let m = l
+                    .iter()
+                    .map(|&(k, v)| v + lambda * k)
+                    .fold(f64::NEG_INFINITY, f64::max);
                 if m == f64::NEG_INFINITY {
                     return f64::NEG_INFINITY;
                 }
@@ -119,7 +122,11 @@ impl Cgf {
         }
         let (ll, v) = if f1 <= f2 { (x1, f1) } else { (x2, f2) };
         // The index bound, no further out than the support allows.
-        let idx = if upper { v.ceil().min(trivial) } else { (-v).floor().max(trivial) };
+        let idx = if upper {
+            v.ceil().min(trivial)
+        } else {
+            (-v).floor().max(trivial)
+        };
         let lam = ll.exp();
         // Mass strictly beyond idx: upper: P(S ≥ idx+1) ≤ e^{K(λ) − λ(idx+1)}.
         let beyond = if upper { idx + 1.0 } else { idx - 1.0 };
@@ -172,7 +179,10 @@ pub(crate) fn compose_shifted(
 ) -> DpResult<Composed> {
     let interval = parts[0].pld.interval;
     // The +∞ atom: every step must keep its finite part for the composition to stay finite.
-    let log_keep: f64 = parts.iter().map(|p| p.count * (-p.pld.inf_mass).ln_1p()).sum();
+    let log_keep: f64 = parts
+        .iter()
+        .map(|p| p.count * (-p.pld.inf_mass).ln_1p())
+        .sum();
     let mut inf_mass = -log_keep.exp_m1();
     let (cgf_hi, cgf_lo) = (Cgf::new(parts, true), Cgf::new(parts, false));
     let (tmin, tmax) = parts.iter().fold((0.0f64, 0.0f64), |(a, b), p| {
@@ -184,7 +194,10 @@ pub(crate) fn compose_shifted(
     let (a, below) = cgf_lo.bound(tail_lo, false, tmin);
     let width = b - a + 1.0;
     if !(width.is_finite() && width >= 1.0) {
-        return Err(DpError::param("events", "privacy loss distribution could not be bounded"));
+        return Err(DpError::param(
+            "events",
+            "privacy loss distribution could not be bounded",
+        ));
     }
     if width > max_bins as f64 {
         return Err(DpError::GridTooLarge { bins: width });
@@ -203,7 +216,14 @@ pub(crate) fn compose_shifted(
         .iter()
         .map(|p| {
             let mass: f64 = p.pld.probs.iter().sum();
-            let mean: f64 = p.pld.probs.iter().enumerate().map(|(k, &x)| k as f64 * x).sum::<f64>() / mass.max(f64::MIN_POSITIVE);
+            let mean: f64 = p
+                .pld
+                .probs
+                .iter()
+                .enumerate()
+                .map(|(k, &x)| k as f64 * x)
+                .sum::<f64>()
+                / mass.max(f64::MIN_POSITIVE);
             p.pld.offset + mean.round() as i64 + jitter
         })
         .collect();
@@ -220,7 +240,8 @@ pub(crate) fn compose_shifted(
                     buf[pos] += x;
                 }
                 let mut spec = fwd.make_output_vec();
-                fwd.process(&mut buf, &mut spec).map_err(|e| DpError::param("fft", e.to_string()))?;
+                fwd.process(&mut buf, &mut spec)
+                    .map_err(|e| DpError::param("fft", e.to_string()))?;
                 for (a, s) in acc.iter_mut().zip(spec.iter()) {
                     *a *= power(*s, p.count);
                 }
@@ -243,7 +264,8 @@ pub(crate) fn compose_shifted(
         spec[nf - 1].im = 0.0;
     }
     let mut out = try_filled(m, 0.0f64)?;
-    inv.process(&mut spec, &mut out).map_err(|e| DpError::param("fft", e.to_string()))?;
+    inv.process(&mut spec, &mut out)
+        .map_err(|e| DpError::param("fft", e.to_string()))?;
     let scale = 1.0 / m as f64;
     // Index J of the composition sits at (J − Σ c_s·sh_s) mod M.
     let total_shift: i128 = parts
@@ -265,7 +287,11 @@ pub(crate) fn compose_shifted(
     let noise_floor = f64::EPSILON * l2 * (reps + 4.0 * (m as f64).log2());
     // Atoms raised to zero by clamping (pessimistic) or by discretisation (optimistic) are
     // extra mass; for the optimistic bound it is subtracted from δ with the wrapped tail.
-    let excess: f64 = parts.iter().map(|p| p.count * p.pld.excess).sum::<f64>().exp_m1();
+    let excess: f64 = parts
+        .iter()
+        .map(|p| p.count * p.pld.excess)
+        .sum::<f64>()
+        .exp_m1();
     // Pessimistic: mass above the window goes to +∞ (its wrapped copy inside the window is
     // extra mass). Optimistic: it is dropped or wrapped downward, both of which lower δ.
     if pessimistic {
@@ -324,8 +350,24 @@ mod tests {
     #[test]
     fn self_composition_matches_direct_convolution() {
         // Two atoms: binomial distribution after T steps.
-        let p = DiscretePld { interval: 0.1, offset: -1, probs: vec![0.7, 0.0, 0.3], inf_mass: 0.0, excess: 0.0 };
-        let c = compose(&[Part { pld: &p, count: 20.0 }], 1e-30, 1e-30, 1 << 20, true).unwrap();
+        let p = DiscretePld {
+            interval: 0.1,
+            offset: -1,
+            probs: vec![0.7, 0.0, 0.3],
+            inf_mass: 0.0,
+            excess: 0.0,
+        };
+        let c = compose(
+            &[Part {
+                pld: &p,
+                count: 20.0,
+            }],
+            1e-30,
+            1e-30,
+            1 << 20,
+            true,
+        )
+        .unwrap();
         // Index J = −20 + 2·(number of upper atoms).
         let mut binom = vec![0.0f64; 21];
         for k in 0..=20usize {
@@ -346,8 +388,24 @@ mod tests {
 
     #[test]
     fn infinity_atoms_compose() {
-        let p = DiscretePld { interval: 0.1, offset: 0, probs: vec![0.99], inf_mass: 0.01, excess: 0.0 };
-        let c = compose(&[Part { pld: &p, count: 10.0 }], 1e-30, 1e-30, 1 << 20, true).unwrap();
+        let p = DiscretePld {
+            interval: 0.1,
+            offset: 0,
+            probs: vec![0.99],
+            inf_mass: 0.01,
+            excess: 0.0,
+        };
+        let c = compose(
+            &[Part {
+                pld: &p,
+                count: 10.0,
+            }],
+            1e-30,
+            1e-30,
+            1 << 20,
+            true,
+        )
+        .unwrap();
         assert!((c.pld.inf_mass - (1.0 - 0.99f64.powi(10))).abs() < 1e-15);
     }
 }

@@ -40,7 +40,13 @@ fn delta_with(p: &DiscretePld, s: &Suffix, eps: f64) -> f64 {
     let n = p.probs.len();
     // First atom strictly above ε.
     let jf = ((eps / p.interval) - p.offset as f64).floor() + 1.0;
-    let j = if jf <= 0.0 { 0 } else if jf >= n as f64 { n } else { jf as usize };
+    let j = if jf <= 0.0 {
+        0
+    } else if jf >= n as f64 {
+        n
+    } else {
+        jf as usize
+    };
     if j >= n {
         return p.inf_mass;
     }
@@ -135,13 +141,22 @@ mod tests {
     fn curve_of_two_atoms() {
         // Randomised response-like PLD: losses ±1 with masses e/(1+e), 1/(1+e).
         let e1 = 1f64.exp();
-        let p = DiscretePld { interval: 1.0, offset: -1, probs: vec![1.0 / (1.0 + e1), 0.0, e1 / (1.0 + e1)], inf_mass: 0.0, excess: 0.0 };
+        let p = DiscretePld {
+            interval: 1.0,
+            offset: -1,
+            probs: vec![1.0 / (1.0 + e1), 0.0, e1 / (1.0 + e1)],
+            inf_mass: 0.0,
+            excess: 0.0,
+        };
         // δ(0) = p_1·(1 − e^{−1}).
         let d0 = e1 / (1.0 + e1) * (1.0 - (-1f64).exp());
         assert!((delta(&p, 0.0, 0.0) - d0).abs() < 1e-15);
         assert_eq!(delta(&p, 1.0, 0.0), 0.0);
         let e9 = epsilon(&p, 1e-9, 0.0);
-        assert!(e9 <= 1.0 && e9 > 1.0 - 1e-8 && delta(&p, e9, 0.0) <= 1e-9, "{e9}");
+        assert!(
+            e9 <= 1.0 && e9 > 1.0 - 1e-8 && delta(&p, e9, 0.0) <= 1e-9,
+            "{e9}"
+        );
         let e = epsilon(&p, d0 / 2.0, 0.0);
         assert!((delta(&p, e, 0.0) - d0 / 2.0).abs() < 1e-14);
     }

@@ -118,7 +118,13 @@ impl SubsampledGaussianLoss {
     }
 
     /// Discretises this loss onto the grid k·Δ, k = k0..=k1.
-    pub fn discretize(&self, interval: f64, k0: i64, k1: i64, bound: Bound) -> DpResult<DiscretePld> {
+    pub fn discretize(
+        &self,
+        interval: f64,
+        k0: i64,
+        k1: i64,
+        bound: Bound,
+    ) -> DpResult<DiscretePld> {
         let n = (k1 - k0) as usize; // intervals; grid points 0..=n
         let sigma = self.sigma;
         // x at every grid point, and the two components' masses on the far side of it.
@@ -152,7 +158,10 @@ impl SubsampledGaussianLoss {
         };
         let comp = |i: usize| -> (f64, f64) {
             let (a, b) = ends(i);
-            (Tail::between(&pts[a].1, &pts[b].1), Tail::between(&pts[a].2, &pts[b].2))
+            (
+                Tail::between(&pts[a].1, &pts[b].1),
+                Tail::between(&pts[a].2, &pts[b].2),
+            )
         };
         // Masses of the two components beyond the top grid point (losses above ε_n).
         let (t0, t1) = match self.direction {
@@ -178,8 +187,8 @@ impl SubsampledGaussianLoss {
             .collect();
         let up = 1.0 / interval.exp_m1(); // y_i / (y_{i+1} − y_i)
         let down = 1.0 / -(-interval).exp_m1(); // y_i / (y_i − y_{i−1})
-        // Connect the dots: p_i = y_i·(S_{i−1} − S_i), S_i the slope of the true curve's chord
-        // on (y_i, y_{i+1}); p_n = y_n·S_{n−1}; δ(ε_n) goes to +∞.
+                                                // Connect the dots: p_i = y_i·(S_{i−1} − S_i), S_i the slope of the true curve's chord
+                                                // on (y_i, y_{i+1}); p_n = y_n·S_{n−1}; δ(ε_n) goes to +∞.
         let ctd = |i: usize| -> f64 {
             if i < n {
                 y(i) * nq[i].1 + nq[i - 1].0 * down - nq[i].0 * up
@@ -188,7 +197,11 @@ impl SubsampledGaussianLoss {
             }
         };
         let delta_top = (p_top - y(n) * q_top).max(0.0);
-        let mut raw: Vec<f64> = (0..n + 1).into_par_iter().with_min_len(2048).map(|i| if i == 0 { 0.0 } else { ctd(i) }).collect();
+        let mut raw: Vec<f64> = (0..n + 1)
+            .into_par_iter()
+            .with_min_len(2048)
+            .map(|i| if i == 0 { 0.0 } else { ctd(i) })
+            .collect();
         let inf_mass;
         match bound {
             Bound::Pessimistic => {

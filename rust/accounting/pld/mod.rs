@@ -99,13 +99,22 @@ pub struct Bounds {
 fn check_groups(groups: &[Group]) -> DpResult<()> {
     for g in groups {
         if !(0.0..=1.0).contains(&g.q) {
-            return Err(DpError::param("sampling_probability", format!("must be in [0, 1], got {}", g.q)));
+            return Err(DpError::param(
+                "sampling_probability",
+                format!("must be in [0, 1], got {}", g.q),
+            ));
         }
         if !(g.sigma >= 0.0) {
-            return Err(DpError::param("noise_multiplier", format!("must be >= 0, got {}", g.sigma)));
+            return Err(DpError::param(
+                "noise_multiplier",
+                format!("must be >= 0, got {}", g.sigma),
+            ));
         }
         if !(g.count >= 0.0 && g.count.is_finite() && g.count.fract() == 0.0) {
-            return Err(DpError::param("count", format!("must be a whole number >= 0, got {}", g.count)));
+            return Err(DpError::param(
+                "count",
+                format!("must be a whole number >= 0, got {}", g.count),
+            ));
         }
     }
     Ok(())
@@ -135,7 +144,11 @@ fn plan(groups: &[Group]) -> DpResult<Plan> {
     }
     // Unsampled Gaussians compose into one: 1/σ² adds up. Rounded down (more noise would
     // understate ε): a few ulps below the computed value.
-    let inv: f64 = live.iter().filter(|g| g.q == 1.0).map(|g| g.count / (g.sigma * g.sigma)).sum();
+    let inv: f64 = live
+        .iter()
+        .filter(|g| g.q == 1.0)
+        .map(|g| g.count / (g.sigma * g.sigma))
+        .sum();
     let mut sub: Vec<Group> = live.iter().copied().filter(|g| g.q < 1.0).collect();
     if inv > 0.0 {
         let mut s = 1.0 / inv.sqrt();
@@ -145,7 +158,11 @@ fn plan(groups: &[Group]) -> DpResult<Plan> {
         if sub.is_empty() {
             return Ok(Plan::Gaussian(s));
         }
-        sub.push(Group { q: 1.0, sigma: s, count: 1.0 });
+        sub.push(Group {
+            q: 1.0,
+            sigma: s,
+            count: 1.0,
+        });
     }
     if sub.is_empty() {
         return Ok(Plan::Nothing);
@@ -170,11 +187,20 @@ fn composed(
         let l = SubsampledGaussianLoss::new(g.q, g.sigma, d);
         let (k0, k1) = l.grid(interval, per_step, per_step.min(1e-20));
         if (k1 - k0) as f64 > 4.0 * max_bins as f64 {
-            return Err(DpError::GridTooLarge { bins: (k1 - k0) as f64 });
+            return Err(DpError::GridTooLarge {
+                bins: (k1 - k0) as f64,
+            });
         }
         steps.push(l.discretize(interval, k0, k1, bound)?);
     }
-    let parts: Vec<Part<'_>> = steps.iter().zip(groups).map(|(p, g)| Part { pld: p, count: g.count }).collect();
+    let parts: Vec<Part<'_>> = steps
+        .iter()
+        .zip(groups)
+        .map(|(p, g)| Part {
+            pld: p,
+            count: g.count,
+        })
+        .collect();
     compose(&parts, tail, tail, max_bins, bound == Bound::Pessimistic)
 }
 
@@ -209,7 +235,10 @@ fn directions(groups: &[Group]) -> Vec<Direction> {
 fn choose_interval(groups: &[Group], opts: &Options, tail: f64) -> DpResult<f64> {
     if let Some(d) = opts.interval {
         if !(d > 0.0 && d.is_finite()) {
-            return Err(DpError::param("value_discretization_interval", format!("must be > 0, got {d}")));
+            return Err(DpError::param(
+                "value_discretization_interval",
+                format!("must be > 0, got {d}"),
+            ));
         }
         return Ok(d);
     }
@@ -253,22 +282,42 @@ fn with_composed<T>(
 
 fn check_delta(delta: f64) -> DpResult<()> {
     if !(delta > 0.0 && delta < 1.0) {
-        return Err(DpError::param("delta", format!("must be in (0, 1), got {delta}")));
+        return Err(DpError::param(
+            "delta",
+            format!("must be in (0, 1), got {delta}"),
+        ));
     }
     Ok(())
 }
 
 /// Bounds on the smallest ε with the composition (ε, δ)-DP under add-or-remove (the worse of
 /// the two directions). `lower = false` skips the lower bound (reported as 0).
-pub fn epsilon_bounds(groups: &[Group], delta: f64, opts: &Options, lower: bool) -> DpResult<Bounds> {
+pub fn epsilon_bounds(
+    groups: &[Group],
+    delta: f64,
+    opts: &Options,
+    lower: bool,
+) -> DpResult<Bounds> {
     check_delta(delta)?;
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
     match plan(groups)? {
-        Plan::Nothing => Ok(Bounds { lower: 0.0, upper: 0.0, interval }),
-        Plan::NonPrivate => Ok(Bounds { lower: f64::INFINITY, upper: f64::INFINITY, interval }),
+        Plan::Nothing => Ok(Bounds {
+            lower: 0.0,
+            upper: 0.0,
+            interval,
+        }),
+        Plan::NonPrivate => Ok(Bounds {
+            lower: f64::INFINITY,
+            upper: f64::INFINITY,
+            interval,
+        }),
         Plan::Gaussian(s) => {
             let e = curve::gaussian_epsilon(s, delta);
-            Ok(Bounds { lower: e, upper: e, interval })
+            Ok(Bounds {
+                lower: e,
+                upper: e,
+                interval,
+            })
         }
         Plan::Mixed(g) => {
             // Tails cut from the grids and windows add at most 2·1e-4·δ to δ.
@@ -281,11 +330,20 @@ pub fn epsilon_bounds(groups: &[Group], delta: f64, opts: &Options, lower: bool)
             // A grid step that is large next to ε itself blurs it: refine once, keep the smaller
             // of the two certified values.
             let (mut upper, mut d) = (upper, d);
-            if opts.interval.is_none() && upper.is_finite() && upper < REFINE * d && d > MIN_INTERVAL {
+            if opts.interval.is_none()
+                && upper.is_finite()
+                && upper < REFINE * d
+                && d > MIN_INTERVAL
+            {
                 let d2 = (upper / REFINE).max(MIN_INTERVAL);
-                let o = Options { interval: Some(d2), ..*opts };
+                let o = Options {
+                    interval: Some(d2),
+                    ..*opts
+                };
                 if let Ok((u2, _)) = with_composed(&g, &o, tail, Bound::Pessimistic, |cs| {
-                    cs.iter().map(|c| curve::epsilon(&c.pld, delta, 0.0)).fold(0.0f64, f64::max)
+                    cs.iter()
+                        .map(|c| curve::epsilon(&c.pld, delta, 0.0))
+                        .fold(0.0f64, f64::max)
                 }) {
                     if u2 < upper {
                         upper = u2;
@@ -294,7 +352,10 @@ pub fn epsilon_bounds(groups: &[Group], delta: f64, opts: &Options, lower: bool)
                 }
             }
             let lower = if lower {
-                let o = Options { interval: Some(d), ..*opts };
+                let o = Options {
+                    interval: Some(d),
+                    ..*opts
+                };
                 with_composed(&g, &o, tail, Bound::Optimistic, |cs| {
                     cs.iter()
                         .map(|c| {
@@ -308,23 +369,47 @@ pub fn epsilon_bounds(groups: &[Group], delta: f64, opts: &Options, lower: bool)
             } else {
                 0.0
             };
-            Ok(Bounds { lower, upper, interval: d })
+            Ok(Bounds {
+                lower,
+                upper,
+                interval: d,
+            })
         }
     }
 }
 
 /// Bounds on the smallest δ with the composition (ε, δ)-DP under add-or-remove.
-pub fn delta_bounds(groups: &[Group], epsilon: f64, opts: &Options, lower: bool) -> DpResult<Bounds> {
+pub fn delta_bounds(
+    groups: &[Group],
+    epsilon: f64,
+    opts: &Options,
+    lower: bool,
+) -> DpResult<Bounds> {
     if !(epsilon >= 0.0) {
-        return Err(DpError::param("epsilon", format!("must be >= 0, got {epsilon}")));
+        return Err(DpError::param(
+            "epsilon",
+            format!("must be >= 0, got {epsilon}"),
+        ));
     }
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
     match plan(groups)? {
-        Plan::Nothing => Ok(Bounds { lower: 0.0, upper: 0.0, interval }),
-        Plan::NonPrivate => Ok(Bounds { lower: 1.0, upper: 1.0, interval }),
+        Plan::Nothing => Ok(Bounds {
+            lower: 0.0,
+            upper: 0.0,
+            interval,
+        }),
+        Plan::NonPrivate => Ok(Bounds {
+            lower: 1.0,
+            upper: 1.0,
+            interval,
+        }),
         Plan::Gaussian(s) => {
             let d = curve::gaussian_delta(s, epsilon);
-            Ok(Bounds { lower: d * (1.0 - 1e-9), upper: (d * (1.0 + 1e-9)).min(1.0), interval })
+            Ok(Bounds {
+                lower: d * (1.0 - 1e-9),
+                upper: (d * (1.0 + 1e-9)).min(1.0),
+                interval,
+            })
         }
         Plan::Mixed(g) => {
             let run = |tail: f64, bound: Bound, o: &Options| {
@@ -332,7 +417,9 @@ pub fn delta_bounds(groups: &[Group], epsilon: f64, opts: &Options, lower: bool)
                     cs.iter()
                         .map(|c| match bound {
                             Bound::Pessimistic => curve::delta(&c.pld, epsilon, 0.0),
-                            Bound::Optimistic => (curve::delta(&c.pld, epsilon, -c.noise_floor) - c.wrapped_in).max(0.0),
+                            Bound::Optimistic => (curve::delta(&c.pld, epsilon, -c.noise_floor)
+                                - c.wrapped_in)
+                                .max(0.0),
                         })
                         .fold(0.0f64, f64::max)
                 })
@@ -343,7 +430,10 @@ pub fn delta_bounds(groups: &[Group], epsilon: f64, opts: &Options, lower: bool)
                 (up, d) = run((up * 1e-4).max(1e-300), Bound::Pessimistic, opts)?;
             }
             if opts.interval.is_none() && epsilon < REFINE * d && d > MIN_INTERVAL {
-                let o = Options { interval: Some((epsilon / REFINE).max(MIN_INTERVAL)), ..*opts };
+                let o = Options {
+                    interval: Some((epsilon / REFINE).max(MIN_INTERVAL)),
+                    ..*opts
+                };
                 if let Ok((u2, d2)) = run((up * 1e-4).max(1e-300), Bound::Pessimistic, &o) {
                     if u2 < up {
                         (up, d) = (u2, d2);
@@ -351,12 +441,21 @@ pub fn delta_bounds(groups: &[Group], epsilon: f64, opts: &Options, lower: bool)
                 }
             }
             let lo = if lower {
-                let o = Options { interval: Some(d), ..*opts };
-                run((up * 1e-4).max(1e-300), Bound::Optimistic, &o)?.0.min(up)
+                let o = Options {
+                    interval: Some(d),
+                    ..*opts
+                };
+                run((up * 1e-4).max(1e-300), Bound::Optimistic, &o)?
+                    .0
+                    .min(up)
             } else {
                 0.0
             };
-            Ok(Bounds { lower: lo, upper: up.min(1.0), interval: d })
+            Ok(Bounds {
+                lower: lo,
+                upper: up.min(1.0),
+                interval: d,
+            })
         }
     }
 }

@@ -64,7 +64,9 @@ pub fn tail_inverse(tau: f64) -> f64 {
     }
     // Start from the asymptotic expansion, then Newton on log Φ̄ (Mills ratio as derivative).
     let l = -2.0 * tau.ln();
-    let mut k = (l - (l.max(1.0)).ln() - (2.0 * std::f64::consts::PI).ln()).max(0.0).sqrt();
+    let mut k = (l - (l.max(1.0)).ln() - (2.0 * std::f64::consts::PI).ln())
+        .max(0.0)
+        .sqrt();
     for _ in 0..50 {
         let t = upper(k);
         if t <= 0.0 {

@@ -1,7 +1,17 @@
 use super::*;
 
 fn eps(q: f64, s: f64, t: f64, d: f64) -> Bounds {
-    epsilon_bounds(&[Group { q, sigma: s, count: t }], d, &Options::default(), true).unwrap()
+    epsilon_bounds(
+        &[Group {
+            q,
+            sigma: s,
+            count: t,
+        }],
+        d,
+        &Options::default(),
+        true,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -22,7 +32,10 @@ fn pessimistic_discretisation_dominates_the_true_curve() {
             let lo = curve::delta(&o, e, 0.0);
             assert!(up >= truth * (1.0 - 1e-9), "{dir:?} {e}: {up} < {truth}");
             assert!(lo <= truth * (1.0 + 1e-9), "{dir:?} {e}: {lo} > {truth}");
-            assert!(up - truth < 2e-4 * truth.max(1e-6), "{dir:?} {e}: {up} vs {truth}");
+            assert!(
+                up - truth < 2e-4 * truth.max(1e-6),
+                "{dir:?} {e}: {up} vs {truth}"
+            );
         }
     }
 }
@@ -30,7 +43,9 @@ fn pessimistic_discretisation_dominates_the_true_curve() {
 /// δ(ε) = ∫ (p(x) − e^ε q(x))₊ dx by the trapezoid rule on a fine x grid.
 fn true_delta(l: &SubsampledGaussianLoss, e: f64) -> f64 {
     let s = l.sigma;
-    let phi = |x: f64, m: f64| (-(x - m) * (x - m) / (2.0 * s * s)).exp() / (s * (2.0 * std::f64::consts::PI).sqrt());
+    let phi = |x: f64, m: f64| {
+        (-(x - m) * (x - m) / (2.0 * s * s)).exp() / (s * (2.0 * std::f64::consts::PI).sqrt())
+    };
     let (a, b, n) = (-12.0 * s, 1.0 + 12.0 * s, 400_000usize);
     let h = (b - a) / n as f64;
     let mut acc = 0.0;
@@ -59,7 +74,18 @@ fn unsampled_runs_are_the_analytic_gaussian() {
 fn subsampled_at_q_one_in_a_mix_stays_above_the_analytic_value() {
     // The discretised path (a Gaussian mixed with a subsampled group that releases nothing
     // measurable) never goes below the exact Gaussian.
-    let g = [Group { q: 1.0, sigma: 2.0, count: 4.0 }, Group { q: 1e-12, sigma: 50.0, count: 1.0 }];
+    let g = [
+        Group {
+            q: 1.0,
+            sigma: 2.0,
+            count: 4.0,
+        },
+        Group {
+            q: 1e-12,
+            sigma: 50.0,
+            count: 1.0,
+        },
+    ];
     let b = epsilon_bounds(&g, 1e-6, &Options::default(), true).unwrap();
     let exact = curve::gaussian_epsilon(1.0, 1e-6);
     assert!(b.upper >= exact, "{} < {exact}", b.upper);
@@ -83,24 +109,88 @@ fn trivial_and_degenerate_inputs() {
     assert_eq!(eps(0.0, 1.0, 100.0, 1e-5).upper, 0.0);
     assert_eq!(eps(0.5, 0.0, 100.0, 1e-5).upper, f64::INFINITY);
     assert_eq!(eps(0.5, 1.0, 0.0, 1e-5).upper, 0.0);
-    assert!(epsilon_bounds(&[Group { q: 1.5, sigma: 1.0, count: 1.0 }], 1e-5, &Options::default(), false).is_err());
-    assert!(epsilon_bounds(&[Group { q: 0.5, sigma: f64::NAN, count: 1.0 }], 1e-5, &Options::default(), false).is_err());
-    assert!(epsilon_bounds(&[Group { q: 0.5, sigma: 1.0, count: 1.0 }], 0.0, &Options::default(), false).is_err());
+    assert!(epsilon_bounds(
+        &[Group {
+            q: 1.5,
+            sigma: 1.0,
+            count: 1.0
+        }],
+        1e-5,
+        &Options::default(),
+        false
+    )
+    .is_err());
+    assert!(epsilon_bounds(
+        &[Group {
+            q: 0.5,
+            sigma: f64::NAN,
+            count: 1.0
+        }],
+        1e-5,
+        &Options::default(),
+        false
+    )
+    .is_err());
+    assert!(epsilon_bounds(
+        &[Group {
+            q: 0.5,
+            sigma: 1.0,
+            count: 1.0
+        }],
+        0.0,
+        &Options::default(),
+        false
+    )
+    .is_err());
 }
 
 #[test]
 fn extreme_inputs_stay_finite() {
-    let b = epsilon_bounds(&[Group { q: 1e-9, sigma: 1e4, count: 1e9 }], 1e-15, &Options::default(), true).unwrap();
-    assert!(b.upper.is_finite() && b.upper >= 0.0 && b.upper < 1e-3, "{b:?}");
-    let b = epsilon_bounds(&[Group { q: 0.5, sigma: 0.3, count: 1e6 }], 1e-15, &Options::default(), false).unwrap();
+    let b = epsilon_bounds(
+        &[Group {
+            q: 1e-9,
+            sigma: 1e4,
+            count: 1e9,
+        }],
+        1e-15,
+        &Options::default(),
+        true,
+    )
+    .unwrap();
+    assert!(
+        b.upper.is_finite() && b.upper >= 0.0 && b.upper < 1e-3,
+        "{b:?}"
+    );
+    let b = epsilon_bounds(
+        &[Group {
+            q: 0.5,
+            sigma: 0.3,
+            count: 1e6,
+        }],
+        1e-15,
+        &Options::default(),
+        false,
+    )
+    .unwrap();
     assert!(b.upper.is_finite() && b.upper > 100.0, "{b:?}");
 }
 
 #[test]
 fn heterogeneous_composition_ignores_order() {
-    let a = Group { q: 0.01, sigma: 1.0, count: 300.0 };
-    let b = Group { q: 0.05, sigma: 2.0, count: 200.0 };
-    let o = Options { interval: Some(1e-4), ..Options::default() };
+    let a = Group {
+        q: 0.01,
+        sigma: 1.0,
+        count: 300.0,
+    };
+    let b = Group {
+        q: 0.05,
+        sigma: 2.0,
+        count: 200.0,
+    };
+    let o = Options {
+        interval: Some(1e-4),
+        ..Options::default()
+    };
     let x = epsilon_bounds(&[a, b], 1e-6, &o, false).unwrap().upper;
     let y = epsilon_bounds(&[b, a], 1e-6, &o, false).unwrap().upper;
     assert!((x - y).abs() <= 1e-9 * x, "{x} {y}");
@@ -113,7 +203,11 @@ fn heterogeneous_composition_ignores_order() {
 
 #[test]
 fn delta_and_epsilon_are_inverse() {
-    let g = [Group { q: 0.004, sigma: 0.9, count: 1000.0 }];
+    let g = [Group {
+        q: 0.004,
+        sigma: 0.9,
+        count: 1000.0,
+    }];
     let o = Options::default();
     let e = epsilon_bounds(&g, 1e-6, &o, false).unwrap().upper;
     let d = delta_bounds(&g, e, &o, true).unwrap();
@@ -122,4 +216,3 @@ fn delta_and_epsilon_are_inverse() {
     let d2 = delta_bounds(&g, e * 0.95, &o, false).unwrap();
     assert!(d2.upper > 1e-6, "{d2:?}");
 }
-
