@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 import dpcore
+from dpcore.events import SumQueryEvent
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class DemoConfig:
     learning_rate: float = 4.0
     delta: float = 1e-5
     seed: Optional[int] = None
+    #: A privacy ledger file that records the private run (``dpcore report`` reads it).
+    ledger: Optional[str] = None
 
 
 def load_digits(split_seed: int = 0) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -68,9 +71,10 @@ def train(x, y, cfg: DemoConfig, private: bool):
     q = cfg.expected_batch_size / n
     steps = int(round(cfg.epochs / q))
     seed = cfg.seed
+    led = dpcore.PrivacyLedger(cfg.ledger) if private and cfg.ledger else None
     for t in range(steps):
         s = None if seed is None else seed + 2 * t
-        idx = dpcore.poisson_sample(n, q, seed=s)  # Poisson sampling from ChaCha20
+        idx = dpcore.poisson_sample(n, q, seed=s, ledger=led)  # Poisson sampling from ChaCha20
         gw, gb = per_example_grads(w, b, x[idx], y[idx])
         if private:
             nw, nb = dpcore.clip_noise(
@@ -80,10 +84,14 @@ def train(x, y, cfg: DemoConfig, private: bool):
                 denominator=q * n,  # fixed expected denominator: the sample size stays private
                 seed=None if seed is None else seed + 2 * t + 1,
             )
+            if led is not None:  # durable before the noised average is used (McMahan et al. §6)
+                led.record_release(SumQueryEvent(cfg.l2_norm_clip, cfg.noise_multiplier * cfg.l2_norm_clip))
         else:
             nw, nb = gw.sum(axis=0) / (q * n), gb.sum(axis=0) / (q * n)
         w -= cfg.learning_rate * nw
         b -= cfg.learning_rate * nb
+    if led is not None:
+        led.close()
     return w, b, q, steps
 
 
@@ -137,7 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.learning_rate)
     p.add_argument("--delta", type=float, default=d.delta)
     p.add_argument("--seed", type=int, default=None, help="tests and reproductions only: voids privacy")
+    p.add_argument("--ledger", default=None, help="record the private run in this ledger file (see dpcore report)")
 
 
 def from_args(a: argparse.Namespace) -> DemoConfig:
-    return DemoConfig(a.epochs, a.batch_size, a.clip, a.noise_multiplier, a.lr, a.delta, a.seed)
+    return DemoConfig(a.epochs, a.batch_size, a.clip, a.noise_multiplier, a.lr, a.delta, a.seed, a.ledger)

@@ -293,6 +293,22 @@ class PrivacyLedger:
         """
         return self._accountant(accountant, neighboring, orders).get_epsilon(delta)
 
+    def report(self, delta: float, *, neighboring: str = "add_or_remove", accountant: str = DEFAULT_ACCOUNTANT) -> Any:
+        """The privacy report of this ledger at ``delta`` (:class:`~dpcore.ledger.PrivacyReport`):
+        the checklist of Ponomareva et al. 2023, §5.3.3 (setting, unit, neighbouring relation,
+        data accesses, mechanism, accounting, assumptions), ε exactly as :meth:`get_epsilon`
+        with the PLD lower bound and RDP beside it, and the file's SHA-256."""
+        from ._report import build_report
+
+        return build_report(self, delta, neighboring=neighboring, accountant=accountant)
+
+    def epsilon_curve(self, delta: float, *, points: int = 200, accountants: Any = ("pld", "rdp"), **kw: Any) -> Any:
+        """ε after the first t releases for about ``points`` values of t, under each accountant
+        (see :func:`dpcore.ledger._report.epsilon_curve`)."""
+        from ._report import epsilon_curve
+
+        return epsilon_curve(self, delta, points=points, accountants=accountants, **kw)
+
     def get_delta(
         self,
         epsilon: float,

@@ -1,0 +1,366 @@
+"""The ``dpcore`` command line (also ``python -m dpcore``): a thin layer over the Python API.
+
+* ``dpcore epsilon -q Q -z Z (--steps T | --epochs E) --delta D``: ε of DP-SGD under the
+  default accountant (PLD), with RDP beside it and the PLD lower bound
+  (:func:`dpcore.accounting.epsilon`, :class:`dpcore.accounting.PldAccountant`).
+* ``dpcore calibrate --epsilon E --delta D`` with two of ``-q``, ``-z``, ``--steps/--epochs``:
+  the missing one (:mod:`dpcore.accounting.calibration`).
+* ``dpcore report LEDGER --delta D [--format markdown|json]``: the privacy report
+  (:meth:`dpcore.PrivacyLedger.report`).
+* ``dpcore plot LEDGER --delta D -o eps.png``: ε against steps under PLD and RDP
+  (:meth:`dpcore.PrivacyLedger.epsilon_curve`; needs ``dpcore[plot]``).
+* ``dpcore demo``: DP logistic regression on the digits data.
+
+Exit codes: 0 success, 2 bad arguments (argparse's convention), 1 bad data (an unreadable or
+corrupt ledger, a target that cannot be met); the error is one line on stderr, never a
+traceback. ``--json`` prints one JSON object on stdout. Progress goes to stderr (tqdm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+
+class DataError(Exception):
+    """Bad data (exit code 1), as opposed to bad arguments (exit code 2)."""
+
+
+# -- argument types: each rejects a bad value with argparse's exit code 2 --------------------
+
+
+def _float(name: str, lo: float, hi: float, lo_open: bool, hi_open: bool = False) -> Any:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        if not ok:
+            lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise argparse.ArgumentTypeError(f"{name} must be in {lo_b}{lo:g}, {hi:g}{hi_b}, got {text}")
+        return v
+
+    return parse
+
+
+def _count(name: str, lo: int = 1) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < lo or v >= 1 << 53:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {lo}, got {text}")
+        return v
+
+    return parse
+
+
+def _epochs(text: str) -> float:
+    return _float("--epochs", 0.0, math.inf, True, True)(text)
+
+
+_Q = _float("-q (sampling probability)", 0.0, 1.0, True)
+_Z = _float("-z (noise multiplier)", 0.0, math.inf, True, True)
+_DELTA = _float("--delta", 0.0, 1.0, True, True)
+_EPS = _float("--epsilon", 0.0, math.inf, True, True)
+
+
+def _steps_of(args: argparse.Namespace, parser: argparse.ArgumentParser, q: Optional[float]) -> Optional[int]:
+    if args.steps is not None and args.epochs is not None:
+        parser.error("give --steps or --epochs, not both")
+    if args.epochs is not None:
+        if q is None:
+            parser.error("--epochs needs -q (an epoch is 1/q steps)")
+        return max(1, math.ceil(args.epochs / q))
+    return args.steps
+
+
+# -- the subcommands -----------------------------------------------------------------------
+
+
+def epsilon_summary(q: float, z: float, steps: int, delta: float, accountant: str = "pld") -> Dict[str, Any]:
+    """ε of ``steps`` Poisson-subsampled Gaussian steps at ``delta``: under ``accountant``,
+    with RDP and PLD (and the PLD lower bound) beside it."""
+    from .accounting import PldAccountant, PoissonSampledEvent, GaussianEvent, SelfComposedEvent, epsilon
+
+    pld = PldAccountant().compose(SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(z)), steps))
+    lower, upper = pld.get_epsilon_bounds(delta)
+    rdp = epsilon(q, z, steps, delta, accountant="rdp")
+    main = upper if accountant == "pld" else rdp
+    return {
+        "epsilon": main,
+        "accountant": accountant,
+        "delta": delta,
+        "sampling_probability": q,
+        "noise_multiplier": z,
+        "steps": steps,
+        "epsilon_pld": upper,
+        "epsilon_pld_lower_bound": lower,
+        "epsilon_rdp": rdp,
+    }
+
+
+def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    steps = _steps_of(args, parser, args.q)
+    if steps is None:
+        parser.error("give --steps or --epochs")
+    with _Spinner("accounting"):
+        out = epsilon_summary(args.q, args.z, steps, args.delta, args.accountant)
+    out["text"] = (
+        f"ε = {out['epsilon']:.6g} at δ = {args.delta:g} ({args.accountant}) after {steps} steps, q = {args.q:g}, "
+        f"σ = {args.z:g}\n  PLD {out['epsilon_pld']:.6g} (lower bound {out['epsilon_pld_lower_bound']:.6g}), "
+        f"RDP {out['epsilon_rdp']:.6g}"
+    )
+    return out
+
+
+def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    from .accounting import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
+
+    steps = _steps_of(args, parser, args.q)
+    given = [args.q is not None, args.z is not None, steps is not None]
+    if sum(given) != 2:
+        parser.error("give exactly two of -q, -z and --steps/--epochs; the third is calibrated")
+    out: Dict[str, Any] = {"epsilon": args.epsilon, "delta": args.delta, "accountant": args.accountant}
+    with _Spinner("calibrating"):
+        if args.z is None:
+            z = calibrate_noise_multiplier(args.epsilon, args.delta, args.q, steps, accountant=args.accountant)
+            out.update(noise_multiplier=z, sampling_probability=args.q, steps=steps)
+            text = f"noise multiplier σ = {z:.6g} (q = {args.q:g}, {steps} steps)"
+        elif args.q is None:
+            q = calibrate_sampling_probability(args.epsilon, args.delta, args.z, steps, accountant=args.accountant)
+            if q <= 0.0:
+                raise DataError(f"no sampling probability reaches ε = {args.epsilon:g} with σ = {args.z:g} and {steps} steps")
+            out.update(sampling_probability=q, noise_multiplier=args.z, steps=steps)
+            text = f"sampling probability q = {q:.6g} (σ = {args.z:g}, {steps} steps)"
+        else:
+            t = calibrate_steps(args.epsilon, args.delta, args.q, args.z, accountant=args.accountant)
+            if t <= 0:
+                raise DataError(f"not even one step stays within ε = {args.epsilon:g} at q = {args.q:g}, σ = {args.z:g}")
+            out.update(steps=t, sampling_probability=args.q, noise_multiplier=args.z)
+            text = f"steps = {t} (q = {args.q:g}, σ = {args.z:g}; {t * args.q:.4g} epochs)"
+    out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({args.accountant})"
+    return out
+
+
+def _load(path: str) -> Any:
+    import warnings
+
+    from .ledger import LedgerError, PrivacyLedger
+
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, not a ledger file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report lists what matters (a torn tail)
+            return PrivacyLedger.load(path)
+    except LedgerError as e:
+        raise DataError(str(e)) from None
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror or e}") from None
+
+
+def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    fmt = "json" if args.json else args.format
+    led = _load(args.ledger)
+    with _Spinner("accounting the ledger"):
+        try:
+            rep = led.report(args.delta, neighboring=args.neighboring, accountant=args.accountant)
+        except ValueError as e:
+            raise DataError(f"{args.ledger}: {e}") from None
+    if fmt == "json":
+        return rep.to_dict()
+    return _Text(rep.to_markdown().rstrip("\n"))
+
+
+def _cmd_plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DataError("plotting needs matplotlib: pip install 'dpcore[plot]'") from None
+    led = _load(args.ledger)
+    accountants = ["pld", "rdp"]
+    total = len(accountants) * min(args.points, max(1, led.num_releases))
+    with _Progress(total, "ε curve") as bar:
+        try:
+            curve = led.epsilon_curve(args.delta, points=args.points, accountants=accountants, progress=bar.update_to)
+        except ValueError as e:
+            raise DataError(f"{args.ledger}: {e}") from None
+    if not curve["steps"]:
+        raise DataError(f"{args.ledger}: the ledger holds no release to plot")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for a, style in (("pld", "-"), ("rdp", "--")):
+        line = ax.plot(curve["steps"], curve[a], style, label=f"{a.upper()} (final ε = {curve['final'][a]:.4g})")[0]
+        ax.plot([curve["steps"][-1]], [curve["final"][a]], "o", color=line.get_color(), ms=4)
+    ax.set_xlabel("releases (steps); curve on a coarser PLD grid, dots: the ledger's ε")
+    ax.set_ylabel(f"ε at δ = {args.delta:g}")
+    ax.set_title(f"{os.path.basename(args.ledger)}: privacy spent")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(args.output, format="png")
+    except OSError as e:
+        raise DataError(f"{args.output}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return {
+        "output": args.output,
+        "points": len(curve["steps"]),
+        "epsilon_pld": curve["final"]["pld"],
+        "epsilon_rdp": curve["final"]["rdp"],
+        "text": f"wrote {args.output} ({len(curve['steps'])} points; final ε: PLD {curve['final']['pld']:.6g}, "
+        f"RDP {curve['final']['rdp']:.6g})",
+    }
+
+
+# -- progress on stderr ----------------------------------------------------------------------
+
+
+class _Progress:
+    """A tqdm bar on stderr (silent when stderr is not a terminal, or tqdm is missing)."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.bar = None
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            pass
+
+    def update_to(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.n = n
+            self.bar.refresh()
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Spinner(_Progress):
+    """A bar without a total, for work whose length is not known ahead (calibration)."""
+
+    def __init__(self, desc: str) -> None:
+        super().__init__(0, desc)
+
+
+class _Text(str):
+    """Output that is printed as is (the Markdown report)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported on one line (exit code 2), without the usage."""
+
+    def error(self, message: str) -> "Any":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__, demo
+
+    p = _Parser(prog="dpcore", description="Differentially private training, accounted.")
+    p.add_argument("--version", action="version", version=f"dpcore {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    e = sub.add_parser("epsilon", help="ε of DP-SGD for a sampling probability, noise multiplier and steps")
+    e.add_argument("-q", "--sampling-probability", dest="q", type=_Q, required=True)
+    e.add_argument("-z", "--noise-multiplier", dest="z", type=_Z, required=True)
+    e.add_argument("--steps", type=_count("--steps"))
+    e.add_argument("--epochs", type=_epochs, help="instead of --steps: ceil(epochs/q) steps")
+    e.add_argument("--delta", type=_DELTA, required=True)
+    e.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    common(e)
+
+    c = sub.add_parser("calibrate", help="the noise multiplier, sampling probability or steps for a target ε")
+    c.add_argument("--epsilon", type=_EPS, required=True)
+    c.add_argument("--delta", type=_DELTA, required=True)
+    c.add_argument("-q", "--sampling-probability", dest="q", type=_Q)
+    c.add_argument("-z", "--noise-multiplier", dest="z", type=_Z)
+    c.add_argument("--steps", type=_count("--steps"))
+    c.add_argument("--epochs", type=_epochs)
+    c.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    common(c)
+
+    r = sub.add_parser("report", help="the privacy report of a ledger (Ponomareva et al. 2023, §5.3.3)")
+    r.add_argument("ledger")
+    r.add_argument("--delta", type=_DELTA, required=True)
+    r.add_argument("--format", choices=["markdown", "json"], default="markdown")
+    r.add_argument("--neighboring", choices=["add_or_remove", "replace_one"], default="add_or_remove")
+    r.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    common(r)
+
+    pl = sub.add_parser("plot", help="ε against steps (PLD and RDP) as a PNG; needs dpcore[plot]")
+    pl.add_argument("ledger")
+    pl.add_argument("--delta", type=_DELTA, required=True)
+    pl.add_argument("-o", "--output", default="epsilon.png")
+    pl.add_argument("--points", type=_count("--points", 2), default=200)
+    common(pl)
+
+    d = sub.add_parser("demo", help="DP logistic regression on the digits data, with a non-private baseline")
+    demo.add_arguments(d)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits with 2 on bad arguments
+    if args.command == "demo":
+        from . import demo
+
+        demo.run(demo.from_args(args))
+        return 0
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    cmd = {"epsilon": _cmd_epsilon, "calibrate": _cmd_calibrate, "report": _cmd_report, "plot": _cmd_plot}[args.command]
+    try:
+        out = cmd(args, sub)
+    except DataError as e:
+        print(f"dpcore {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OverflowError, RuntimeError) as e:  # a target no configuration meets, say
+        print(f"dpcore {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"dpcore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(out, _Text):
+        print(out)
+    elif getattr(args, "json", False) or args.command == "report":
+        out = _finite({k: v for k, v in out.items() if k != "text"})
+        print(json.dumps(out, indent=1, allow_nan=False))
+    else:
+        print(out["text"])
+    return 0
+
+
+def _finite(v: Any) -> Any:
+    """JSON has no infinity: ε = ∞ is written as the string "inf"."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+if __name__ == "__main__":
+    sys.exit(main())
