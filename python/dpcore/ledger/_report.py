@@ -27,7 +27,7 @@ __all__ = ["PrivacyReport", "build_report", "epsilon_curve"]
 SETTING = "central"
 TRUST_MODEL = "trusted aggregator: the process that holds the records clips them and adds the noise"
 NEIGHBORING_TEXT = {
-    "add_or_remove": "add or remove one {unit}: the datasets differ by all the records of one {unit}",
+    "add_or_remove": "add or remove one {unit}: neighbouring datasets differ by the records of one {unit}",
     "replace_one": "replace one {unit} by another",
 }
 ASSUMPTIONS = (
