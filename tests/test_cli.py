@@ -162,6 +162,7 @@ def test_bad_data_exit_1_with_one_line(tmp_path: Path) -> None:
 
 def test_demo_ledger_report(tmp_path: Path) -> None:
     p = tmp_path / "demo.jsonl"
-    run("demo", "--epochs", "1", "--ledger", str(p))
+    res = js("demo", "--epochs", "1", "--ledger", str(p))
     out = js("report", str(p), "--delta", "1e-5")
-    assert out["releases"] > 0 and out["noise_multiplier"] == [3.0]
+    assert out["releases"] == res["steps"] > 0 and out["noise_multiplier"] == [3.0]
+    assert out["epsilon"] == pytest.approx(res["epsilon"], rel=1e-12)

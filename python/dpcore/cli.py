@@ -317,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="DP logistic regression on the digits data, with a non-private baseline")
     demo.add_arguments(d)
+    common(d)
     return p
 
 
@@ -326,7 +327,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "demo":
         from . import demo
 
-        demo.run(demo.from_args(args))
+        if args.json:  # the results as one object; the demo's lines go to stderr
+            res = demo.run(demo.from_args(args), out=sys.stderr)
+            print(json.dumps(_finite(res), indent=1, allow_nan=False))
+        else:
+            demo.run(demo.from_args(args))
         return 0
     sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     cmd = {"epsilon": _cmd_epsilon, "calibrate": _cmd_calibrate, "report": _cmd_report, "plot": _cmd_plot}[args.command]
