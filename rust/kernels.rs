@@ -304,6 +304,13 @@ pub fn max_abs<T: Elem>(x: &[T]) -> f64 {
 /// Σ (x_j / s)², for the rescaled norm of records whose squares overflow or underflow.
 pub fn sumsq_scaled<T: Elem>(x: &[T], s: f64) -> f64 {
     let inv = 1.0 / s;
+    if !inv.is_finite() {
+        // s is subnormal: its reciprocal overflows, so divide (a slow path for tiny records).
+        return x.iter().fold(0.0f64, |a, v| {
+            let t = v.to_f64() / s;
+            a + t * t
+        });
+    }
     x.iter().fold(0.0f64, |a, v| {
         let t = v.to_f64() * inv;
         a + t * t
@@ -313,6 +320,15 @@ pub fn sumsq_scaled<T: Elem>(x: &[T], s: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sumsq_scaled_by_a_subnormal_max() {
+        // ‖(1e-310, ..., 1e-310)‖ over 4 entries: the max is subnormal and 1/max overflows.
+        let x = [1e-310f64; 4];
+        assert_eq!(sumsq_scaled(&x, 1e-310), 4.0);
+        let y = [5e-324f64, 0.0];
+        assert_eq!(sumsq_scaled(&y, 5e-324), 1.0);
+    }
 
     #[test]
     fn sumsq_matches_reference() {

@@ -126,3 +126,35 @@ def test_no_panic_reaches_python():
             call()
         except Exception:
             pass
+
+
+# -- inputs that used to be handled wrongly --------------------------------------------------
+
+
+def test_subnormal_records_have_their_true_norm():
+    import numpy as np
+
+    import dpcore
+
+    x = np.full((2, 4), 1e-310)
+    np.testing.assert_allclose(dpcore.record_norms([x]), [2e-310, 2e-310], rtol=1e-12)
+    s, norms = dpcore.clip_sum([x], 1.0)
+    assert s[0].tolist() == [2e-310] * 4  # kept, not zeroed: the norm is far below C
+
+
+def test_noise_shape_overflow_is_a_clear_error():
+    import dpcore
+
+    with pytest.raises((ValueError, MemoryError), match=r"1099511627776"):
+        dpcore.gaussian_noise((2**40, 2**40), 1.0)
+    with pytest.raises(MemoryError, match="shape"):
+        dpcore.gaussian_noise((2**20, 2**20), 1.0)
+
+
+def test_ledger_on_a_directory_is_a_ledger_error(tmp_path):
+    import dpcore
+    from dpcore.ledger import LedgerError
+
+    for open_ in (dpcore.PrivacyLedger, dpcore.PrivacyLedger.load):
+        with pytest.raises(LedgerError, match=str(tmp_path)):
+            open_(tmp_path)

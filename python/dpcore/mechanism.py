@@ -14,7 +14,10 @@ produced with a seed carries no privacy guarantee.
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
+import sys
 import operator
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -176,6 +179,13 @@ def record_norms(grads: Grads, *, scales: Optional[Sequence[float]] = None) -> n
     return _core.record_norms(arrays, _scales(scales, len(arrays)))
 
 
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platforms without sysconf
+        return sys.maxsize
+
+
 def gaussian_noise(
     shape: Union[int, Sequence[int]],
     stddev: float,
@@ -203,6 +213,13 @@ def gaussian_noise(
     if any(d < 0 for d in shape):
         raise ValueError(f"shape must not have negative dimensions, got {shape}")
     sd = _real("stddev", stddev)
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    n = math.prod(shape)  # exact: numpy's int64 product wraps around silently
+    if n * dt.itemsize > sys.maxsize:
+        raise ValueError(
+            f"shape {shape} holds {n} values ({n * dt.itemsize} bytes of {dt}): more than an array can address"
+        )
+    if n * dt.itemsize > _physical_memory():
+        # The core would fail to allocate, and a failed allocation in Rust aborts the process.
+        raise MemoryError(f"shape {shape} needs {n * dt.itemsize / 2**30:.1f} GiB of {dt}, more than this machine's memory")
     flat = _core.gaussian_flat(n, sd, dt == np.float64, _seed(seed), bool(parallel))
     return flat.reshape(shape)

@@ -453,8 +453,11 @@ def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Content
 
 def read_ledger(path: str, *, strict: bool = False) -> _Contents:
     """Reads a whole ledger file without opening it for writing (see ``PrivacyLedger.load``)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except IsADirectoryError:
+        raise LedgerError(f"{path}: is a directory, not a ledger file") from None
     if not data:
         raise LedgerError(f"{path}: empty file, not a ledger (no header)")
     # _read sits one frame deeper here (PrivacyLedger.load -> read_ledger -> _read); keep the
@@ -481,7 +484,12 @@ class LedgerFile:
         self._fd: Optional[int] = None
         #: Why the file can no longer be written, once a failed write could not be undone.
         self.broken: Optional[str] = None
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except IsADirectoryError:
+            raise LedgerError(f"{path}: is a directory, not a ledger file") from None
+        except OSError as e:
+            raise LedgerError(f"{path}: cannot open the ledger for writing: {e.strerror or e}") from e
         try:
             if _fcntl is not None:
                 try:
