@@ -158,3 +158,47 @@ def test_ledger_on_a_directory_is_a_ledger_error(tmp_path):
     for open_ in (dpcore.PrivacyLedger, dpcore.PrivacyLedger.load):
         with pytest.raises(LedgerError, match=str(tmp_path)):
             open_(tmp_path)
+
+
+def test_full_disk_step_is_not_released_and_the_ledger_holds_the_released_steps(tmp_path):
+    """Under a small RLIMIT_FSIZE the ledger's write fails part-way through a run: the failing
+    step raises (its noised result is never returned), and the ledger holds exactly the
+    releases that were returned. Run in a child process so the limit stays there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    p = tmp_path / "full.jsonl"
+    code = textwrap.dedent(
+        f"""
+        import resource, signal, json
+        import numpy as np
+        import dpcore
+        from dpcore.queries import GaussianAverageQuery
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+        led = dpcore.PrivacyLedger({str(p)!r})
+        agg = dpcore.PrivateAggregator(GaussianAverageQuery(1.0, 1.1, 10.0), led, 100, 0.1)
+        returned = 0
+        try:
+            for _ in range(1000):
+                idx = agg.sample()
+                agg.aggregate(np.ones((len(idx), 3)))
+                returned += 1
+        except dpcore.ledger.LedgerError as e:
+            print(json.dumps({{"returned": returned, "error": str(e)}}))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = __import__("json").loads(res.stdout.strip().splitlines()[-1])
+    assert 0 < out["returned"] < 1000 and "could not write" in out["error"]
+    led = dpcore_load(p)
+    assert led.num_releases == out["returned"]
+    assert p.stat().st_size <= 2000
+
+
+def dpcore_load(p):
+    import dpcore
+
+    return dpcore.PrivacyLedger.load(p)
