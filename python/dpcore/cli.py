@@ -9,6 +9,7 @@
   (:meth:`dpcore.PrivacyLedger.report`).
 * ``dpcore plot LEDGER --delta D -o eps.png``: ε against steps under PLD and RDP
   (:meth:`dpcore.PrivacyLedger.epsilon_curve`; needs ``dpcore[plot]``).
+* ``dpcore audit -z Z``: a one-run privacy audit of the mechanism (:mod:`dpcore.audit`).
 * ``dpcore demo``: DP logistic regression on the digits data.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention), 1 bad data (an unreadable or
@@ -225,6 +226,32 @@ def _cmd_plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict
     }
 
 
+def _cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    from .audit import one_run_audit
+
+    with _Progress(args.steps, "auditing") as bar:
+        res = one_run_audit(
+            args.z,
+            steps=args.steps,
+            sampling_probability=args.q,
+            canaries=args.canaries,
+            actual_noise_multiplier=args.actual_noise_multiplier,
+            delta=args.delta,
+            confidence=args.confidence,
+            progress=lambda done, total: bar.update_to(done),
+        )
+    out = res.to_dict()
+    verdict = "passed" if res.passed else "FAILED"
+    out["text"] = (
+        f"audit {verdict}: ε lower bound {res.epsilon_lower_bound:.4g} (at {res.confidence:g} confidence) vs "
+        f"claimed ε {res.epsilon_claimed:.4g} at δ = {res.delta:g}; {res.canaries} canaries, {res.steps} steps, "
+        f"q = {res.sampling_probability:g}, σ = {res.noise_multiplier:g}"
+        + ("" if res.actual_noise_multiplier == res.noise_multiplier else f" (run with σ = {res.actual_noise_multiplier:g})")
+        + f", {res.seconds:.1f} s"
+    )
+    return out
+
+
 # -- progress on stderr ----------------------------------------------------------------------
 
 
@@ -315,6 +342,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--points", type=_count("--points", 2), default=200)
     common(pl)
 
+    au = sub.add_parser("audit", help="one-run privacy audit of the mechanism (Steinke, Nasr & Jagielski 2023)")
+    au.add_argument("-z", "--noise-multiplier", dest="z", type=_Z, required=True)
+    au.add_argument("-q", "--sampling-probability", dest="q", type=_Q, default=0.5)
+    au.add_argument("--steps", type=_count("--steps"), default=10)
+    au.add_argument("--canaries", type=_count("--canaries", 10), default=20_000)
+    au.add_argument("--actual-noise-multiplier", type=_Z, default=None,
+                    help="run the mechanism with this noise instead of the claimed one (shows the audit's power)")
+    au.add_argument("--delta", type=_DELTA, default=1e-5)
+    au.add_argument("--confidence", type=_float("--confidence", 0.0, 1.0, True, True), default=0.95)
+    common(au)
+
     d = sub.add_parser("demo", help="DP logistic regression on the digits data, with a non-private baseline")
     demo.add_arguments(d)
     common(d)
@@ -334,7 +372,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             demo.run(demo.from_args(args))
         return 0
     sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-    cmd = {"epsilon": _cmd_epsilon, "calibrate": _cmd_calibrate, "report": _cmd_report, "plot": _cmd_plot}[args.command]
+    cmd = {"epsilon": _cmd_epsilon, "calibrate": _cmd_calibrate, "report": _cmd_report, "plot": _cmd_plot,
+           "audit": _cmd_audit}[args.command]
     try:
         out = cmd(args, sub)
     except DataError as e:
