@@ -22,7 +22,10 @@ def test_torch_digits_small():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     r = load("torch_digits").main(small=True)
-    assert r["steps"] > 0 and 0.0 <= r["dp_accuracy"] <= 1.0 and r["baseline_accuracy"] > 0.5
+    # 10 classes: chance is 0.1. The small run (few steps, σ for ε ≈ 4) reached 0.52 against a
+    # baseline of 0.83 here; it must learn, not just run.
+    assert r["steps"] > 0 and r["baseline_accuracy"] > 0.5
+    assert r["dp_accuracy"] >= 0.25 and r["dp_accuracy"] >= 0.3 * r["baseline_accuracy"]
     if r["epsilon"] is not None:
         assert 0 < r["epsilon"] < math.inf
 
@@ -30,6 +33,7 @@ def test_torch_digits_small():
 def test_user_level_fedavg_small():
     r = load("user_level_fedavg").main(small=True)
     assert r["rounds"] == 15 and r["baseline_accuracy"] > 0.6
+    assert r["dp_accuracy"] >= 0.8 and r["dp_accuracy"] >= r["baseline_accuracy"] - 0.1  # 0.943 vs 0.944 here
     if r["epsilon"] is not None:
         assert 0 < r["epsilon"] < math.inf
 
@@ -45,3 +49,8 @@ def test_tf_digits_small():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DP-SGD accuracy" in r.stdout and "eps =" in r.stdout
+    import re
+
+    base = float(re.search(r"non-private accuracy ([0-9.]+)", r.stdout).group(1))
+    dp = float(re.search(r"DP-SGD accuracy ([0-9.]+)", r.stdout).group(1))
+    assert base > 0.4 and dp >= 0.2  # chance is 0.1; here 0.629 and 0.347 after 10 steps

@@ -62,11 +62,13 @@ def test_dp_step_clips_and_ledgers():
     # an empty batch still releases (pure noise)
     led.record_sample(40, 0.5)
     w1 = m.trainable_variables[0].numpy().copy()
-    tr.noise = tr.query = dpcore.GaussianAverageQuery(0.2, 0.2, 20.0)
+    tr.query = dpcore.GaussianAverageQuery(0.2, 0.2, 20.0)  # the same clip, now with noise
     tr.global_state = tr.query.initial_global_state()
     tr.step(xb[:0], yb[:0])
     assert led.num_releases == 2
-    assert not np.array_equal(m.trainable_variables[0].numpy(), w1)
+    assert led.samples[1].queries[0].stddev == 0.2  # the release is the noised one
+    moved = m.trainable_variables[0].numpy() - w1
+    assert np.count_nonzero(moved) == moved.size  # every coordinate got noise, no record
 
 
 # ----------------------------------------------------------------------------- model.fit path

@@ -31,8 +31,6 @@ import numpy as np
 
 from ..mechanism import _seed, gaussian_noise
 
-_SEED_LIMIT = 1 << 64
-
 
 class DPQuery:
     """Base class of all queries. Subclasses implement every method except where noted."""
