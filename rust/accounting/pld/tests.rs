@@ -109,39 +109,9 @@ fn trivial_and_degenerate_inputs() {
     assert_eq!(eps(0.0, 1.0, 100.0, 1e-5).upper, 0.0);
     assert_eq!(eps(0.5, 0.0, 100.0, 1e-5).upper, f64::INFINITY);
     assert_eq!(eps(0.5, 1.0, 0.0, 1e-5).upper, 0.0);
-    assert!(epsilon_bounds(
-        &[Group {
-            q: 1.5,
-            sigma: 1.0,
-            count: 1.0
-        }],
-        1e-5,
-        &Options::default(),
-        false
-    )
-    .is_err());
-    assert!(epsilon_bounds(
-        &[Group {
-            q: 0.5,
-            sigma: f64::NAN,
-            count: 1.0
-        }],
-        1e-5,
-        &Options::default(),
-        false
-    )
-    .is_err());
-    assert!(epsilon_bounds(
-        &[Group {
-            q: 0.5,
-            sigma: 1.0,
-            count: 1.0
-        }],
-        0.0,
-        &Options::default(),
-        false
-    )
-    .is_err());
+    assert!(refused(1.5, 1.0, 1.0, 1e-5));
+    assert!(refused(0.5, f64::NAN, 1.0, 1e-5));
+    assert!(refused(0.5, 1.0, 1.0, 0.0));
 }
 
 #[test]
@@ -215,4 +185,9 @@ fn delta_and_epsilon_are_inverse() {
     assert!(d.lower <= d.upper);
     let d2 = delta_bounds(&g, e * 0.95, &o, false).unwrap();
     assert!(d2.upper > 1e-6, "{d2:?}");
+}
+
+/// Whether one group (q, σ, count) at δ is refused with an error.
+fn refused(q: f64, sigma: f64, count: f64, delta: f64) -> bool {
+    epsilon_bounds(&[Group { q, sigma, count }], delta, &Options::default(), false).is_err()
 }
