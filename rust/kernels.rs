@@ -6,7 +6,7 @@
 //! and across thread counts. Fusing saves a quarter of the floating-point work of both passes of
 //! the clip, which are compute-bound once the data is in cache.
 
-use crate::records::Elem;
+use crate::elem::Elem;
 
 const LANES: usize = 8;
 /// Lanes of the sum of squares: four vectors of eight, so that the adds of one vector do not wait
@@ -103,38 +103,6 @@ fn all_finite_generic<T: Elem>(x: &[T]) -> bool {
         ok &= v.to_f64().is_finite();
     }
     ok
-}
-
-/// Reads four values of an element type as the four f64 lanes of a 256-bit vector: the one step
-/// in which the explicit x86 kernels differ by element type.
-pub trait Lanes: Sized {
-    /// Whether the explicit kernels serve this type. Not for f64: with no conversion to do, the
-    /// compiler's 512-bit code for the generic axpy was faster (clip of f64 (128, 1e5): 3.5 ms
-    /// against 4.0 ms), and the sums of squares ran at the same speed.
-    const EXPLICIT: bool;
-    /// # Safety
-    /// The CPU must support AVX, and four values must be readable at `p`.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load4(p: *const Self) -> std::arch::x86_64::__m256d;
-}
-
-impl Lanes for f32 {
-    const EXPLICIT: bool = true;
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load4(p: *const f32) -> std::arch::x86_64::__m256d {
-        use std::arch::x86_64::*;
-        _mm256_cvtps_pd(_mm_loadu_ps(p))
-    }
-}
-
-impl Lanes for f64 {
-    const EXPLICIT: bool = false;
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load4(p: *const f64) -> std::arch::x86_64::__m256d {
-        std::arch::x86_64::_mm256_loadu_pd(p)
-    }
 }
 
 /// The clip's two inner loops over f32 records written with 256-bit intrinsics, for both x86

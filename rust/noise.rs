@@ -15,7 +15,7 @@
 
 use crate::chacha::ChaCha20;
 use crate::error::{try_with_capacity, DpError, DpResult};
-use crate::records::Elem;
+use crate::elem::Elem;
 use crate::rng::{chunk_rng, stream_id, Domain, Key};
 use crate::ziggurat;
 use rand_distr::{Distribution, StandardNormal};

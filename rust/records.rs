@@ -6,37 +6,7 @@
 
 use crate::error::{DpError, DpResult};
 
-/// Element types a record may hold. Arithmetic is always done in `f64`.
-pub trait Elem: Copy + Send + Sync + 'static + crate::kernels::Lanes {
-    fn to_f64(self) -> f64;
-    fn from_f64(v: f64) -> Self;
-    /// Unit roundoff of the type (half an ulp at 1.0).
-    const UNIT_ROUNDOFF: f64;
-}
-
-impl Elem for f32 {
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    #[inline(always)]
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    const UNIT_ROUNDOFF: f64 = 5.960464477539063e-8; // 2^-24
-}
-
-impl Elem for f64 {
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    const UNIT_ROUNDOFF: f64 = 1.1102230246251565e-16; // 2^-53
-}
+pub use crate::elem::Elem;
 
 /// One caller buffer of `batch * width` values.
 #[derive(Clone, Copy, Debug)]

@@ -1,0 +1,287 @@
+//! How the clip's work is cut among threads: column blocks, tiles of rows, and the two paths
+//! (`clip_sum_tiled`: blocks any thread may take; `clip_sum_owned`: each thread owns a column
+//! range for the whole call and meets the others at a spin barrier per tile). The clipping math
+//! they call (norms from block partials, clip factors) lives in the parent module.
+
+use super::barrier::SpinBarrier;
+use super::*;
+use std::sync::Mutex;
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Block {
+    pub(super) part: usize,
+    pub(super) start: usize,
+    pub(super) len: usize,
+}
+
+pub(super) fn column_blocks(records: &Records) -> Vec<Block> {
+    let mut out = Vec::new();
+    for (k, p) in records.parts.iter().enumerate() {
+        let mut s = 0;
+        while s < p.width {
+            let len = BLOCK.min(p.width - s);
+            out.push(Block {
+                part: k,
+                start: s,
+                len,
+            });
+            s += len;
+        }
+    }
+    out
+}
+
+/// Phase 1 for rows [r0, r1): their L2 norms, or the first record that is not finite.
+pub(super) fn tile_norms(
+    records: &Records,
+    blocks: &[Block],
+    r0: usize,
+    r1: usize,
+    par: bool,
+) -> DpResult<Vec<f64>> {
+    let nb = blocks.len();
+    let mut partial = vec![0.0f64; (r1 - r0) * nb];
+    let fill = |(i, out): (usize, &mut f64)| {
+        let (r, b) = (r0 + i / nb.max(1), i % nb.max(1));
+        *out = block_sumsq(records, r, &blocks[b]);
+    };
+    if par {
+        partial
+            .par_iter_mut()
+            .with_min_len(8)
+            .enumerate()
+            .for_each(fill);
+    } else {
+        partial.iter_mut().enumerate().for_each(fill);
+    }
+    let weights = block_weights(records, blocks);
+    (r0..r1)
+        .map(|r| {
+            norm_from_blocks(
+                records,
+                r,
+                partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().copied(),
+                &weights,
+            )
+        })
+        .collect()
+}
+
+/// acc += Σ_r f_r·x_r over the columns of `b`, for rows r0, r0 + 1, … (one per factor).
+pub(super) fn add_rows<T: Elem>(
+    acc: &mut [f64],
+    x: &[T],
+    width: usize,
+    b: &Block,
+    r0: usize,
+    factors: &[f64],
+) {
+    let one = |i: usize| (factors[i], row(x, width, r0 + i, b));
+    if factors.len() <= OWNED_TILE_ROWS {
+        // The owned path's tiles: no allocation per call.
+        let rows: [(f64, &[T]); OWNED_TILE_ROWS] = std::array::from_fn(|i| {
+            if i < factors.len() {
+                one(i)
+            } else {
+                (0.0, &x[..0])
+            }
+        });
+        kernels::axpy_rows(acc, &rows[..factors.len()]);
+    } else {
+        let rows: Vec<(f64, &[T])> = (0..factors.len()).map(one).collect();
+        kernels::axpy_rows(acc, &rows);
+    }
+}
+
+/// Phase 2 for rows [r0, r0 + factors.len()): sums += Σ_r f_r·x_r, block by block.
+pub(super) fn tile_accumulate(
+    records: &Records,
+    blocks: &[Block],
+    acc: &mut [&mut [f64]],
+    r0: usize,
+    factors: &[f64],
+    par: bool,
+) {
+    let work = |(a, b): (&mut &mut [f64], &Block)| {
+        let p = &records.parts[b.part];
+        match p.data {
+            Column::F32(x) => add_rows(a, x, p.width, b, r0, factors),
+            Column::F64(x) => add_rows(a, x, p.width, b, r0, factors),
+        }
+    };
+    if par {
+        acc.par_iter_mut().zip(blocks.par_iter()).for_each(work);
+    } else {
+        acc.iter_mut().zip(blocks.iter()).for_each(work);
+    }
+}
+
+pub(super) fn tile_rows(records: &Records) -> usize {
+    (TILE_BYTES / records.record_bytes().max(1)).clamp(1, records.batch.max(1))
+}
+
+pub(super) fn use_parallel(records: &Records) -> bool {
+    records.batch.saturating_mul(records.dim()) >= PAR_MIN_VALUES
+}
+
+pub(super) fn clip_sum_tiled(
+    records: &Records,
+    blocks: &[Block],
+    l2_norm_clip: f64,
+    margin: f64,
+) -> DpResult<ClippedSum> {
+    let (step, par) = (tile_rows(records), use_parallel(records));
+    let mut sums = zero_sums(records)?;
+    let mut norms = Vec::with_capacity(records.batch);
+    {
+        let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
+        debug_assert_eq!(acc.len(), blocks.len());
+        let mut r0 = 0;
+        while r0 < records.batch {
+            let r1 = (r0 + step).min(records.batch);
+            let tile = tile_norms(records, blocks, r0, r1, par)?;
+            let factors: Vec<f64> = tile
+                .iter()
+                .map(|&n| clip_factor(n, l2_norm_clip, margin))
+                .collect();
+            tile_accumulate(records, blocks, &mut acc, r0, &factors, par);
+            norms.extend(tile);
+            r0 = r1;
+        }
+    }
+    Ok(ClippedSum { sums, norms })
+}
+
+pub(super) static OWNED_PATH: Mutex<()> = Mutex::new(());
+
+/// A run of one thread's columns within one part.
+pub(super) struct Run<'s> {
+    part: usize,
+    start: usize,
+    acc: &'s mut [f64],
+}
+
+/// Splits the sums into each thread's runs: thread t owns blocks [t·nb/T, (t+1)·nb/T).
+pub(super) fn owned_runs<'s>(
+    sums: &'s mut [Vec<f64>],
+    blocks: &[Block],
+    threads: usize,
+) -> Vec<Mutex<Vec<Run<'s>>>> {
+    let nb = blocks.len();
+    let owner = |k: usize| {
+        (0..threads)
+            .find(|&t| k < (t + 1) * nb / threads)
+            .unwrap_or(0)
+    };
+    let mut runs: Vec<Vec<Run<'s>>> = (0..threads).map(|_| Vec::new()).collect();
+    let mut k = 0;
+    for (part, sum) in sums.iter_mut().enumerate() {
+        let mut rest: &'s mut [f64] = sum.as_mut_slice();
+        let mut taken = 0;
+        while k < nb && blocks[k].part == part {
+            let t = owner(k);
+            let start = blocks[k].start;
+            let mut len = 0;
+            while k < nb && blocks[k].part == part && owner(k) == t {
+                len += blocks[k].len;
+                k += 1;
+            }
+            let (acc, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            rest = tail;
+            debug_assert_eq!(start, taken);
+            taken += len;
+            runs[t].push(Run { part, start, acc });
+        }
+    }
+    runs.into_iter().map(Mutex::new).collect()
+}
+
+/// The owned-columns path. Thread t of the pool keeps columns blocks [t·nb/T, (t+1)·nb/T) for the
+/// whole call. Per tile: it writes its blocks' partial sums of squares (phase 1), all threads meet
+/// at a barrier, each one adds up every row's norm from the shared partials in block order (the
+/// same bits on every thread), and it adds its slice of the scaled rows into its own sums (phase
+/// 2). Partials are double-buffered so that a fast thread may begin the next tile while a slow
+/// one still reads the last.
+pub(super) fn clip_sum_owned(
+    records: &Records,
+    blocks: &[Block],
+    l2_norm_clip: f64,
+    margin: f64,
+    threads: usize,
+) -> DpResult<ClippedSum> {
+    let (batch, nb) = (records.batch, blocks.len());
+    let rows = OWNED_TILE_ROWS;
+    let mut sums = zero_sums(records)?;
+    let partials: Vec<AtomicU64> = (0..2 * rows * nb).map(|_| AtomicU64::new(0)).collect();
+    let weights = block_weights(records, blocks);
+    let barrier = SpinBarrier::new(threads);
+    let norms = {
+        let runs = owned_runs(&mut sums, blocks, threads);
+        let work = |t: usize| -> DpResult<Vec<f64>> {
+            let mut mine = runs[t].lock().unwrap_or_else(|e| e.into_inner());
+            let (k0, k1) = (t * nb / threads, (t + 1) * nb / threads);
+            let mut norms = Vec::with_capacity(if t == 0 { batch } else { 0 });
+            let mut factors = [0.0f64; OWNED_TILE_ROWS];
+            for (tile, r0) in (0..batch).step_by(rows).enumerate() {
+                let r1 = (r0 + rows).min(batch);
+                let buf = &partials[(tile % 2) * rows * nb..][..rows * nb];
+                for r in r0..r1 {
+                    for k in k0..k1 {
+                        let v = block_sumsq(records, r, &blocks[k]);
+                        buf[(r - r0) * nb + k].store(v.to_bits(), Ordering::Relaxed);
+                    }
+                }
+                if !barrier.wait() {
+                    // Another thread panicked; its panic is re-raised below, this value unread.
+                    return Ok(Vec::new());
+                }
+                for r in r0..r1 {
+                    let row = &buf[(r - r0) * nb..][..nb];
+                    let sums = row
+                        .iter()
+                        .map(|v| f64::from_bits(v.load(Ordering::Relaxed)));
+                    let n = norm_from_blocks(records, r, sums, &weights)?;
+                    factors[r - r0] = clip_factor(n, l2_norm_clip, margin);
+                    if t == 0 {
+                        norms.push(n);
+                    }
+                }
+                for run in mine.iter_mut() {
+                    let p = &records.parts[run.part];
+                    let b = Block {
+                        part: run.part,
+                        start: run.start,
+                        len: run.acc.len(),
+                    };
+                    match p.data {
+                        Column::F32(x) => {
+                            add_rows(run.acc, x, p.width, &b, r0, &factors[..r1 - r0])
+                        }
+                        Column::F64(x) => {
+                            add_rows(run.acc, x, p.width, &b, r0, &factors[..r1 - r0])
+                        }
+                    }
+                }
+            }
+            Ok(norms)
+        };
+        let results = rayon::broadcast(|ctx| {
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx.index())));
+            if out.is_err() {
+                barrier.poison();
+            }
+            out
+        });
+        let mut outcomes = Vec::with_capacity(results.len());
+        for r in results {
+            match r {
+                Err(panic) => std::panic::resume_unwind(panic),
+                Ok(v) => outcomes.push(v),
+            }
+        }
+        // Every thread computed the same norms and the same error, if any; thread 0 (a broadcast
+        // always has one) kept the norms.
+        outcomes.swap_remove(0)?
+    };
+    Ok(ClippedSum { sums, norms })
+}
