@@ -5,6 +5,30 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+__all__ = [
+    "gaussian_sum_flat",
+    "record_norms",
+    "part_sumsq",
+    "gaussian_flat",
+    "poisson_sample",
+    "fixed_size_sample",
+    "ledger_scan",
+    "pld_epsilon_bounds",
+    "pld_delta_bounds",
+    "rdp_poisson_subsampled_gaussian",
+    "rdp_composition",
+    "rdp_per_group",
+    "epsilon_composition",
+    "delta_composition",
+    "epsilon_from_rdp",
+    "calibrate_noise_multiplier",
+    "calibrate_sampling_probability",
+    "calibrate_steps",
+    "_log_a_quadrature",
+    "default_rdp_orders",
+    "NOISE_CHUNK",
+    "__version__",
+]
 NOISE_CHUNK: int
 
 def gaussian_sum_flat(
@@ -15,11 +39,18 @@ def gaussian_sum_flat(
     seed: Optional[int] = None,
     scales: Optional[List[float]] = None,
     f64_out: bool = False,
-) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]: ...
-def record_norms(arrays: List[np.ndarray], scales: Optional[List[float]] = None) -> npt.NDArray[np.float64]: ...
-def part_sumsq(arrays: List[np.ndarray], parallel: bool = True) -> List[npt.NDArray[np.float64]]: ...
-def gaussian_flat(n: int, stddev: float, double: bool, seed: Optional[int] = None, parallel: bool = True) -> np.ndarray: ...
-def poisson_sample(n: int, q: float, seed: Optional[int] = None) -> npt.NDArray[np.uint64]: ...
+) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]:
+    """Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms."""
+def record_norms(arrays: List[np.ndarray], scales: Optional[List[float]] = None) -> npt.NDArray[np.float64]:
+    """The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,)."""
+def part_sumsq(arrays: List[np.ndarray], parallel: bool = True) -> List[npt.NDArray[np.float64]]:
+    """Per array, the sum of squares of every record (float64 of shape (B,)), unscaled. Non-finite
+    values give non-finite sums; the caller reports them. `parallel=False` keeps the work on the
+    calling thread."""
+def gaussian_flat(n: int, stddev: float, double: bool, seed: Optional[int] = None, parallel: bool = True) -> np.ndarray:
+    """`n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread."""
+def poisson_sample(n: int, q: float, seed: Optional[int] = None) -> npt.NDArray[np.uint64]:
+    """Sorted indices of a Poisson sample (uint64)."""
 def ledger_scan(
     data: bytes,
 ) -> Tuple[
@@ -27,20 +58,30 @@ def ledger_scan(
         Tuple[int, int, Optional[str], List[Tuple[int, int, int, float, int, Optional[int], bool, bool, List[Tuple[float, float]]]]]
     ],
     int,
-]: ...
-def fixed_size_sample(n: int, b: int, seed: Optional[int] = None) -> npt.NDArray[np.uint64]: ...
+]:
+    """The complete lines of a ledger file as runs of identical samples, or the first line the
+    fast reader refuses (``(None, line)``; the Python reader then reads the file).
+    Returns ``(lines, valid_bytes, privacy_unit, runs)``; a run is ``(first_sample, count,
+    population_size, sampling_probability, policy index, sample_size, seeded, non_private,
+    [(l2_norm_clip, stddev), ...])``."""
+def fixed_size_sample(n: int, b: int, seed: Optional[int] = None) -> npt.NDArray[np.uint64]:
+    """Sorted indices of a uniform sample of fixed size without replacement (uint64)."""
 
 # Accounting (rust/bindings/accounting.rs). Groups are (q or m/n, noise_multiplier, count).
-def rdp_poisson_subsampled_gaussian(q: float, z: float, orders: List[float]) -> npt.NDArray[np.float64]: ...
+def rdp_poisson_subsampled_gaussian(q: float, z: float, orders: List[float]) -> npt.NDArray[np.float64]:
+    """One step's RDP of the Poisson-subsampled Gaussian at each order."""
 def rdp_composition(
     poisson: List[Tuple[float, float, float]],
     wor: List[Tuple[float, float, float]],
     non_private: bool,
     orders: List[float],
-) -> npt.NDArray[np.float64]: ...
+) -> npt.NDArray[np.float64]:
+    """Total RDP of a composition at each order. `poisson`: (q, z, count); `wor`: (m/n, z, count)."""
 def rdp_per_group(
     poisson: List[Tuple[float, float, float]], wor: List[Tuple[float, float, float]], orders: List[float]
-) -> npt.NDArray[np.float64]: ...
+) -> npt.NDArray[np.float64]:
+    """One row per group (Poisson groups first, then without-replacement ones), flattened:
+    RDP of a single step of each group at each order. Counts are ignored."""
 def epsilon_composition(
     poisson: List[Tuple[float, float, float]],
     wor: List[Tuple[float, float, float]],
@@ -48,7 +89,9 @@ def epsilon_composition(
     orders: List[float],
     delta: float,
     rdp: Optional[List[float]] = None,
-) -> Tuple[float, float, bool]: ...
+) -> Tuple[float, float, bool]:
+    """(ε, best order, best order at the grid's edge) for a composition. `rdp`: the composition's
+    values on `orders` if already known (else computed)."""
 def delta_composition(
     poisson: List[Tuple[float, float, float]],
     wor: List[Tuple[float, float, float]],
@@ -56,20 +99,31 @@ def delta_composition(
     orders: List[float],
     epsilon: float,
     rdp: Optional[List[float]] = None,
-) -> Tuple[float, float, bool]: ...
-def epsilon_from_rdp(orders: List[float], rdp: List[float], delta: float) -> Tuple[float, float]: ...
+) -> Tuple[float, float, bool]:
+    """(δ, best order, at edge) for a composition at `epsilon`."""
+def epsilon_from_rdp(orders: List[float], rdp: List[float], delta: float) -> Tuple[float, float]:
+    """(ε, best order) from RDP values on a grid alone: no continuous search (nothing is known
+    between the orders)."""
 def calibrate_noise_multiplier(
     target_epsilon: float, target_delta: float, q: float, steps: float, orders: List[float]
-) -> float: ...
+) -> float:
+    """Smallest noise multiplier z with ε ≤ target_epsilon at target_delta after `steps` Poisson-subsampled Gaussian steps at rate q, under RDP over `orders` (Mironov, Talwar, Zhang 2019 §3; Canonne, Kamath, Steinke 2020 Prop. 12). ValueError on out-of-range parameters."""
 def calibrate_sampling_probability(
     target_epsilon: float, target_delta: float, z: float, steps: float, orders: List[float]
-) -> float: ...
-def calibrate_steps(target_epsilon: float, target_delta: float, q: float, z: float, orders: List[float]) -> int: ...
-def _log_a_quadrature(q: float, z: float, alpha: float) -> float: ...
-def default_rdp_orders() -> List[float]: ...
+) -> float:
+    """Largest sampling probability q with ε ≤ target_epsilon at target_delta after `steps` steps with noise multiplier z, under RDP over `orders` (0.0 if none fits)."""
+def calibrate_steps(target_epsilon: float, target_delta: float, q: float, z: float, orders: List[float]) -> int:
+    """Largest number of steps with ε ≤ target_epsilon at target_delta for rate q and noise multiplier z, under RDP over `orders` (0 if none fits)."""
+def _log_a_quadrature(q: float, z: float, alpha: float) -> float:
+    """log A_α by quadrature at any real α > 1 (tests compare it with the exact integer sums)."""
+def default_rdp_orders() -> List[float]:
+    """The default grid of Rényi orders of the RDP accountant."""
 def pld_epsilon_bounds(
     groups: List[Tuple[float, float, float]], delta: float, interval: Optional[float] = ..., lower: bool = ...
-) -> Tuple[float, float, float]: ...
+) -> Tuple[float, float, float]:
+    """(lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
+    under add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound."""
 def pld_delta_bounds(
     groups: List[Tuple[float, float, float]], epsilon: float, interval: Optional[float] = ..., lower: bool = ...
-) -> Tuple[float, float, float]: ...
+) -> Tuple[float, float, float]:
+    """(lower, upper, grid interval) of δ at ε, as [`pld_epsilon_bounds`]."""
