@@ -41,7 +41,7 @@ def main(small: bool = False) -> dict:
     q = 64 / len(xtr)
     dp = model()
     # fit() on the wrapper trains `dp` itself; each step clips, noises and records in the core
-    private = make_private(dp, tf.keras.optimizers.SGD(0.5), noise_multiplier=1.1, l2_norm_clip=1.0,
+    private = make_private(dp, tf.keras.optimizers.SGD(0.5), noise_multiplier=1.1, max_grad_norm=1.0,
                            population_size=len(xtr), sampling_probability=q, ledger=ledger)
     private.compile(loss=loss, metrics=["accuracy"])
     private.fit(PoissonBatches(xtr, ytr, sampling_probability=q), epochs=epochs, verbose=0)

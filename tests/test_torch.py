@@ -182,7 +182,7 @@ def test_make_private_ledger_per_logical_step_with_virtual_batches():
     model, opt, dl = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   torch.utils.data.DataLoader(ds, batch_size=32), noise_multiplier=1.3,
                                   max_grad_norm=1.0, ledger=led, max_physical_batch_size=5, seed=7)
-    assert isinstance(dl, DPDataLoader) and dl.sample_rate == 0.5 and len(dl) == 2
+    assert isinstance(dl, DPDataLoader) and dl.sampling_probability == 0.5 and len(dl) == 2
     micro = releases = 0
     before = [p.detach().clone() for p in model.parameters()]
     for x, y in dl:
@@ -527,3 +527,15 @@ def test_make_private_with_epsilon_calibrates_to_the_target():
         with pytest.raises(ValueError):
             make_private_with_epsilon(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1),
                                       torch.utils.data.DataLoader(ds, batch_size=10), **kw)
+
+
+def test_old_parameter_names_still_work_with_a_deprecation_warning(tmp_path):
+    import dpcore
+    from dpcore.torch import DPDataLoader
+
+    ds = torch.utils.data.TensorDataset(torch.randn(10, 2))
+    with pytest.warns(DeprecationWarning, match="sampling_probability"):
+        dl = DPDataLoader(ds, sample_rate=0.3, ledger=dpcore.PrivacyLedger(tmp_path / "l.jsonl"))
+    assert dl.sampling_probability == 0.3 == dl.sample_rate
+    with pytest.raises(TypeError, match="sampling_probability= only"):
+        DPDataLoader(ds, 0.3, sample_rate=0.3, ledger=dpcore.PrivacyLedger(tmp_path / "m.jsonl"))

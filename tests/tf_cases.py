@@ -49,7 +49,7 @@ def test_dp_step_clips_and_ledgers():
     led = dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(), "l.jsonl"))
     w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
     tr = DPTrainer(m, tf.keras.optimizers.SGD(1.0), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                   ledger=led, population_size=40, sample_rate=0.5, noise_multiplier=0.0, max_grad_norm=0.2)
+                   ledger=led, population_size=40, sampling_probability=0.5, noise_multiplier=0.0, max_grad_norm=0.2)
     (xb, yb), = list(tr.batches(x, y, steps=1, seed=3))
     tr.step(xb, yb)
     rw, rb = numpy_grads(w0.astype(np.float64), b0, xb.astype(np.float64), yb)
@@ -114,7 +114,7 @@ def clipped_average(x, y, w, b, clip, den, per_layer=False):
 def test_fit_trains_and_records_one_release_per_step():
     x, y = data(60)
     led = new_ledger()
-    m, dp = dp_logreg(led, lr=0.5, noise_multiplier=1.1, l2_norm_clip=1.0, population_size=60, sampling_probability=0.2)
+    m, dp = dp_logreg(led, lr=0.5, noise_multiplier=1.1, max_grad_norm=1.0, population_size=60, sampling_probability=0.2)
     w0 = [v.numpy().copy() for v in m.trainable_variables]
     hist = dp.fit(PoissonBatches(x, y, sampling_probability=0.2, steps=4), epochs=3, verbose=0)
     assert led.num_releases == 12 == dp.releases and len(led.samples) == 12
@@ -132,7 +132,7 @@ def test_fit_trains_and_records_one_release_per_step():
 def test_epsilon_matches_accounting_of_the_same_events():
     x, y = data(100)
     led = new_ledger()
-    _, dp = dp_logreg(led, noise_multiplier=1.3, l2_norm_clip=0.7, expected_batch_size=10.0)
+    _, dp = dp_logreg(led, noise_multiplier=1.3, max_grad_norm=0.7, expected_batch_size=10.0)
     dp.fit(PoissonBatches(x, y, sampling_probability=0.1, steps=7), epochs=2, verbose=0)
     eps = dp.get_epsilon(1e-5)
     ref = dpcore.accounting.epsilon(0.1, 1.3, 14, 1e-5)
@@ -145,7 +145,7 @@ def test_epsilon_matches_accounting_of_the_same_events():
 def test_update_equals_numpy_reference_at_zero_noise(clipping, micro):
     x, y = data(40)
     led = new_ledger()
-    m, dp = dp_logreg(led, noise_multiplier=0.0, l2_norm_clip=0.2, population_size=40, sampling_probability=0.5,
+    m, dp = dp_logreg(led, noise_multiplier=0.0, max_grad_norm=0.2, population_size=40, sampling_probability=0.5,
                       clipping=clipping, max_physical_batch_size=micro)
     w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
     src = PoissonBatches(x, y, sampling_probability=0.5, steps=1, seed=11)
@@ -174,7 +174,7 @@ def test_empty_poisson_batch_releases_pure_noise():
     src = PoissonBatches(x, y, sampling_probability=q, steps=1, seed=seed)
     assert len(src.indices(0)) == 0
     led = new_ledger()
-    m, dp = dp_logreg(led, lr=1.0, noise_multiplier=2.0, l2_norm_clip=0.5, expected_batch_size=20 * q, seed=5)
+    m, dp = dp_logreg(led, lr=1.0, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=20 * q, seed=5)
     w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
     dp.fit(src, epochs=1, verbose=0)
     assert led.num_releases == 1 and led.samples[0].policy == "poisson"
@@ -192,7 +192,7 @@ def test_empty_poisson_batch_releases_pure_noise():
 def test_nan_record_raises_value_error_and_leaves_ledger_untouched():
     x, y = data(30)
     led = new_ledger()
-    m, dp = dp_logreg(led, noise_multiplier=1.0, l2_norm_clip=1.0, population_size=30, sampling_probability=1.0)
+    m, dp = dp_logreg(led, noise_multiplier=1.0, max_grad_norm=1.0, population_size=30, sampling_probability=1.0)
     dp.fit(PoissonBatches(x, y, sampling_probability=1.0, steps=1), verbose=0)  # one good release
     with open(led.path, "rb") as f:
         before = f.read()
@@ -213,7 +213,7 @@ def test_nan_record_raises_value_error_and_leaves_ledger_untouched():
 def test_fit_on_arrays_records_shuffle_samples():
     x, y = data(50)
     led = new_ledger()
-    _, dp = dp_logreg(led, noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=10.0)
+    _, dp = dp_logreg(led, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=10.0)
     with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffle"):
         dp.fit(x, y, epochs=2, verbose=0)  # batch_size defaults to round(q·n) = 10
     assert led.num_releases == 10
@@ -223,7 +223,7 @@ def test_fit_on_arrays_records_shuffle_samples():
     assert shuffled > dpcore.accounting.epsilon(0.2, 1.0, 10, 1e-5)  # no amplification
     # an opaque source (tf.data) is accepted only when the population is known, as shuffle
     led2 = new_ledger()
-    _, dp2 = dp_logreg(led2, noise_multiplier=1.0, l2_norm_clip=1.0, population_size=50, sampling_probability=0.1)
+    _, dp2 = dp_logreg(led2, noise_multiplier=1.0, max_grad_norm=1.0, population_size=50, sampling_probability=0.1)
     with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffle"):
         dp2.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(5), verbose=0, shuffle=False)
     assert led2.num_releases == 10 and {s.policy for s in led2.samples} == {"shuffle"}
@@ -231,7 +231,7 @@ def test_fit_on_arrays_records_shuffle_samples():
 
 def test_misuse_is_refused():
     x, y = data(20)
-    _, dp = dp_logreg(new_ledger(), noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=5.0)
+    _, dp = dp_logreg(new_ledger(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=5.0)
     with pytest.raises(ValueError, match="q·n"):
         dp.fit(PoissonBatches(x, y, sampling_probability=0.5), verbose=0)
     with pytest.raises(TypeError, match="PoissonBatches"):
@@ -243,7 +243,7 @@ def test_misuse_is_refused():
     assert dp.ledger.num_releases == 0
     bn = tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(3)])
     with pytest.raises(TypeError, match="batch statistics"):
-        DPModel(bn, noise_multiplier=1.0, l2_norm_clip=1.0, expected_batch_size=5.0)
+        DPModel(bn, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=5.0)
 
 
 def test_make_private_with_epsilon_calibrates_to_the_target():
@@ -252,11 +252,19 @@ def test_make_private_with_epsilon_calibrates_to_the_target():
 
     tf.random.set_seed(0)
     dp = make_private_with_epsilon(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5,
-                                   epochs=2, l2_norm_clip=1.0, population_size=40, sampling_probability=0.25,
+                                   epochs=2, max_grad_norm=1.0, population_size=40, sampling_probability=0.25,
                                    ledger=new_ledger())
     z = dp.noise_multiplier
     assert z == accounting.calibrate_noise_multiplier(3.0, 1e-5, 0.25, 8)
     assert accounting.epsilon(0.25, z, 8, 1e-5) <= 3.0 < accounting.epsilon(0.25, z * 0.99, 8, 1e-5)
     with pytest.raises(ValueError):
         make_private_with_epsilon(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5,
-                                  epochs=0, l2_norm_clip=1.0, population_size=40, sampling_probability=0.25)
+                                  epochs=0, max_grad_norm=1.0, population_size=40, sampling_probability=0.25)
+
+
+def test_old_clip_name_still_works_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="max_grad_norm"):
+        _, dp = dp_logreg(new_ledger(), noise_multiplier=1.0, l2_norm_clip=0.7, expected_batch_size=5.0)
+    assert dp.l2_norm_clip == 0.7
+    with pytest.raises(TypeError, match="max_grad_norm= only"):
+        dp_logreg(new_ledger(), noise_multiplier=1.0, l2_norm_clip=0.7, max_grad_norm=0.7, expected_batch_size=5.0)

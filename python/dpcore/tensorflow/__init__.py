@@ -3,7 +3,7 @@
 Keras's own ``fit`` (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
 
     dp = dpcore.tensorflow.make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.1,
-                                        l2_norm_clip=1.0, population_size=n, sampling_probability=q,
+                                        max_grad_norm=1.0, population_size=n, sampling_probability=q,
                                         ledger=dpcore.PrivacyLedger("run.jsonl"))
     dp.compile(loss=..., metrics=[...])      # run_eagerly: the core is called from Python
     dp.fit(PoissonBatches(x, y, sampling_probability=q), epochs=5)
@@ -61,12 +61,16 @@ class DPTrainer:
     """
 
     def __init__(self, model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, loss_fn: Callable[[Any, Any], Any],
-                 *, ledger: PrivacyLedger, population_size: int, sample_rate: float, noise_multiplier: float = 1.0,
-                 max_grad_norm: float = 1.0, query: Optional[DPQuery] = None) -> None:
+                 *, ledger: PrivacyLedger, population_size: int, sampling_probability: Optional[float] = None,
+                 noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, query: Optional[DPQuery] = None,
+                 sample_rate: Optional[float] = None) -> None:
+        from .._names import renamed
+
+        sampling_probability = renamed("sampling_probability", sampling_probability, "sample_rate", sample_rate)
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.PrivacyLedger, got {type(ledger).__name__}")
         self.model, self.optimizer, self.loss_fn, self.ledger = model, optimizer, loss_fn, ledger
-        self.n, self.q = int(population_size), float(sample_rate)
+        self.n, self.q = int(population_size), float(sampling_probability)
         self.query = query or GaussianAverageQuery(max_grad_norm, noise_multiplier * max_grad_norm, self.q * self.n)
         self.global_state = self.query.initial_global_state()
 

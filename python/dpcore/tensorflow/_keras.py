@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from .._names import renamed
 from ..ledger import LedgerWarning, PrivacyLedger
 from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
 from ..queries.base import derive_seed
@@ -83,7 +84,8 @@ class DPModel(keras.Model):
     ``model``), its ``call`` is ``model``'s, and ``evaluate``/``predict`` are unchanged. Only
     :meth:`train_step` differs. Parameters:
 
-    * ``noise_multiplier`` z and ``l2_norm_clip`` C.
+    * ``noise_multiplier`` z and ``max_grad_norm`` C (the clip norm, ``l2_norm_clip`` in the
+      core; the wrapper takes Opacus's name; ``l2_norm_clip=`` is a deprecated alias).
     * ``expected_batch_size`` q·n, the fixed denominator of the noised average (McMahan et al.
       2018, §3), or ``population_size`` n and ``sampling_probability`` q. A
       :class:`PoissonBatches` given to ``fit`` must have the same q·n.
@@ -119,7 +121,7 @@ class DPModel(keras.Model):
         model: Any,
         *,
         noise_multiplier: float,
-        l2_norm_clip: Any,
+        max_grad_norm: Any = None,
         expected_batch_size: Optional[float] = None,
         population_size: Optional[int] = None,
         sampling_probability: Optional[float] = None,
@@ -128,8 +130,10 @@ class DPModel(keras.Model):
         max_physical_batch_size: Optional[int] = None,
         optimizer: Any = None,
         seed: Optional[int] = None,
+        l2_norm_clip: Any = None,
         **kwargs: Any,
     ) -> None:
+        l2_norm_clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
         if clipping not in CLIPPING:
@@ -391,7 +395,7 @@ def make_private(
     optimizer: Any,
     *,
     noise_multiplier: float,
-    l2_norm_clip: Any,
+    max_grad_norm: Any = None,
     expected_batch_size: Optional[float] = None,
     population_size: Optional[int] = None,
     sampling_probability: Optional[float] = None,
@@ -399,11 +403,12 @@ def make_private(
     clipping: str = "flat",
     max_physical_batch_size: Optional[int] = None,
     seed: Optional[int] = None,
+    l2_norm_clip: Any = None,
 ) -> DPModel:
     """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
     (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
 
-        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.1, l2_norm_clip=1.0,
+        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.1, max_grad_norm=1.0,
                           population_size=len(x), sampling_probability=q, ledger=PrivacyLedger("run.jsonl"))
         dp.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
         dp.fit(PoissonBatches(x, y, sampling_probability=q), epochs=5)
@@ -416,7 +421,7 @@ def make_private(
     return DPModel(
         model,
         noise_multiplier=noise_multiplier,
-        l2_norm_clip=l2_norm_clip,
+        max_grad_norm=renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip),
         expected_batch_size=expected_batch_size,
         population_size=population_size,
         sampling_probability=sampling_probability,
@@ -435,10 +440,11 @@ def make_private_with_epsilon(
     target_epsilon: float,
     target_delta: float,
     epochs: int,
-    l2_norm_clip: float,
+    max_grad_norm: Any = None,
     population_size: int,
     sampling_probability: float,
     accountant: str = "pld",
+    l2_norm_clip: Any = None,
     **kwargs: Any,
 ) -> "DPModel":
     """:func:`make_private` with the noise multiplier calibrated so that ``epochs`` epochs of
@@ -451,6 +457,7 @@ def make_private_with_epsilon(
 
     from .. import accounting
 
+    clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
     if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral):
         raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
     if epochs < 1:
@@ -464,7 +471,7 @@ def make_private_with_epsilon(
         model,
         optimizer,
         noise_multiplier=z,
-        l2_norm_clip=l2_norm_clip,
+        max_grad_norm=clip,
         population_size=population_size,
         sampling_probability=q,
         **kwargs,

@@ -32,7 +32,8 @@ __all__ = ["DPDataLoader"]
 
 
 class DPDataLoader:
-    """Iterates over ``steps`` Poisson samples of ``dataset`` at rate ``sample_rate``.
+    """Iterates over ``steps`` Poisson samples of ``dataset`` at rate ``sampling_probability``
+    (q; ``sample_rate=`` is its deprecated Opacus-era alias).
 
     * ``ledger``: the :class:`dpcore.PrivacyLedger` that records each sample (policy ``poisson``),
       or its path (under ``torch.distributed``, the same path on every rank: rank 0 opens it).
@@ -51,26 +52,30 @@ class DPDataLoader:
     def __init__(
         self,
         dataset: Dataset,
-        sample_rate: float,
+        sampling_probability: Optional[float] = None,
         *,
         ledger: Any,
         steps: Optional[int] = None,
         max_physical_batch_size: Optional[int] = None,
         collate_fn: Optional[Callable[[Any], Any]] = None,
         seed: Optional[int] = None,
+        sample_rate: Optional[float] = None,
     ) -> None:
+        from .._names import renamed
+
+        q = renamed("sampling_probability", sampling_probability, "sample_rate", sample_rate)
         if ledger is None:
             raise TypeError("DPDataLoader needs a ledger (a dpcore.PrivacyLedger or a path)")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
-            raise TypeError(f"sample_rate must be a real number, got {type(sample_rate).__name__}")
-        if not 0.0 < float(sample_rate) <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if isinstance(q, bool) or not isinstance(q, numbers.Real):
+            raise TypeError(f"sampling_probability must be a real number, got {type(q).__name__}")
+        if not 0.0 < float(q) <= 1.0:
+            raise ValueError(f"sampling_probability must be in (0, 1], got {q}")
         self.dataset = dataset
         self.n = len(dataset)  # type: ignore[arg-type]
         if self.n < 1:
             raise ValueError("dataset is empty")
-        self.sample_rate = float(sample_rate)
-        self.steps = max(1, round(1.0 / self.sample_rate)) if steps is None else int(steps)
+        self.sampling_probability = float(q)
+        self.steps = max(1, round(1.0 / self.sampling_probability)) if steps is None else int(steps)
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if max_physical_batch_size is not None and int(max_physical_batch_size) < 1:
@@ -93,14 +98,19 @@ class DPDataLoader:
         ds = data_loader.dataset
         bs = data_loader.batch_size
         if bs is None:
-            raise ValueError("data_loader has no batch_size; give sample_rate to DPDataLoader directly")
+            raise ValueError("data_loader has no batch_size; give sampling_probability to DPDataLoader directly")
         kw.setdefault("collate_fn", data_loader.collate_fn)
         return cls(ds, min(1.0, bs / len(ds)), ledger=ledger, **kw)  # type: ignore[arg-type]
 
     @property
+    def sample_rate(self) -> float:
+        """Deprecated name of :attr:`sampling_probability`."""
+        return self.sampling_probability
+
+    @property
     def expected_batch_size(self) -> float:
         """q·n: the denominator of the fixed-denominator average (McMahan et al. 2018, §3)."""
-        return self.sample_rate * self.n
+        return self.sampling_probability * self.n
 
     def __len__(self) -> int:
         return self.steps
@@ -121,13 +131,13 @@ class DPDataLoader:
         if w == 1:
             seed = derive_seed(self.seed, self._draws)
             self._draws += 1
-            return poisson_sample(self.n, self.sample_rate, seed=seed, ledger=self.ledger)
+            return poisson_sample(self.n, self.sampling_probability, seed=seed, ledger=self.ledger)
         seed = derive_seed(self.seed, self._draws, r)  # a test seed: still one stream per rank
         self._draws += 1
         shard = max(0, (self.n - r + w - 1) // w)  # records r, r + w, r + 2w, ...
-        local = poisson_sample(shard, self.sample_rate, seed=seed)
+        local = poisson_sample(shard, self.sampling_probability, seed=seed)
         # Every rank records the whole sample (N, q); only rank 0's ledger is a file.
-        self.ledger.record_sample(self.n, self.sample_rate, "poisson", seeded=seed is not None)
+        self.ledger.record_sample(self.n, self.sampling_probability, "poisson", seeded=seed is not None)
         return r + w * local
 
     def __iter__(self) -> Iterator[Any]:
