@@ -31,10 +31,11 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
+from ._validate import count as _int, positive as _positive
 from .ledger import PrivacyLedger
 from .mechanism import clip_noise, clip_sum
 from .queries.base import derive_seed
@@ -113,16 +114,6 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float)
     return lo
 
 
-def _positive(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-    return float(v)
-
-
-def _int(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    return int(v)
 
 
 def one_run_audit(

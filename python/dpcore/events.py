@@ -27,10 +27,11 @@ caller does later can change what was recorded.
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Iterable, Tuple, Type
+
+from ._validate import finite as _finite, integer as _int, real as _real
 
 __all__ = [
     # sum-query events (McMahan et al. 2018, §6)
@@ -55,14 +56,6 @@ __all__ = [
 
 # ============================================================================= sum-query events
 
-
-def _finite(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -186,16 +179,6 @@ def effective_noise_multiplier(privacy_tuples: Iterable[Any]) -> float:
 # ============================================================================= accountant events
 
 
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
-
-
-def _int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
 
 
 _REGISTRY: Dict[str, Type["Event"]] = {}

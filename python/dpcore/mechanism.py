@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ._validate import real as _real
 from . import _core
 
 ArrayLike = Any
@@ -30,11 +31,6 @@ Grads = Union[np.ndarray, Sequence[np.ndarray]]
 
 _SEED_LIMIT = 1 << 64
 
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
 
 
 def _seed(seed: Any) -> Optional[int]:

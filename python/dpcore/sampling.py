@@ -11,22 +11,14 @@ with the policy it actually used (§6); the entry becomes durable with the sampl
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Optional
 
 import numpy as np
 
 from . import _core
 from .mechanism import _real, _seed
+from ._validate import count as _count
 
-
-def _count(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    v = int(v)
-    if not 0 <= v < (1 << 63):
-        raise ValueError(f"{name} must be >= 0, got {v}")
-    return v
 
 
 def _ledger(ledger: Any) -> Any:

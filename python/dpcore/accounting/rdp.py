@@ -19,7 +19,6 @@ The math runs in Rust (``rust/accounting``):
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -36,6 +35,7 @@ from .events import (
     SampledWithoutReplacementEvent,
     SelfComposedEvent,
 )
+from .._validate import count as _count, real as _real
 
 #: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
 DEFAULT_ORDERS: Tuple[float, ...] = tuple(_core.default_rdp_orders())
@@ -48,19 +48,6 @@ class OrderRangeWarning(UserWarning):
     wider grid may give a smaller ε."""
 
 
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _orders(orders: Optional[Iterable[float]]) -> np.ndarray:

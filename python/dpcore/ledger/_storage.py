@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _core
+from .._validate import count as _int
 from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier
 
 FORMAT = "dpcore-privacy-ledger"
@@ -79,14 +80,6 @@ class LedgerSample:
 
 # ----------------------------------------------------------------------------- validation
 
-
-def _int(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    v = int(v)
-    if v < lo or v >= 1 << 63:
-        raise ValueError(f"{name} must be >= {lo} (and < 2**63), got {v}")
-    return v
 
 
 def _prob(v: Any) -> float:

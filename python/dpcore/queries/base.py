@@ -22,14 +22,13 @@ recomputed and subtracted, so a seeded result carries no privacy guarantee.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..mechanism import _seed, gaussian_noise
+from .._validate import nonnegative, positive  # noqa: F401 (the queries import them from here)
 
 
 class DPQuery:
@@ -150,24 +149,7 @@ def _batch_of_one(record: Any) -> Any:
 # ----------------------------------------------------------------------------- parameters
 
 
-def _real(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    return float(v)
 
-
-def positive(name: str, v: Any) -> float:
-    x = _real(name, v)
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {x}")
-    return x
-
-
-def nonnegative(name: str, v: Any) -> float:
-    x = _real(name, v)
-    if not (math.isfinite(x) and x >= 0):
-        raise ValueError(f"{name} must be finite and >= 0, got {x}")
-    return x
 
 
 def derive_seed(seed: Optional[int], *path: int) -> Optional[int]:

@@ -24,6 +24,7 @@ import operator
 from typing import Any, List, Sequence
 
 from ..events import effective_noise_multiplier
+from .._validate import positive as _positive
 
 __all__ = [
     "flat_clip_norm",
@@ -34,14 +35,6 @@ __all__ = [
     "effective_noise_multiplier",
 ]
 
-
-def _positive(name: str, v: Any, *, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {v}")
-    return v
 
 
 def _dims(dims: Sequence[int]) -> List[int]:

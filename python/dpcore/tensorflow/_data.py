@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from .._validate import real as _real
 from ..queries.base import derive_seed
 from ..sampling import poisson_sample
 
@@ -127,9 +128,3 @@ class PoissonBatches(tf.keras.utils.PyDataset):
         if self._sw is not None:
             out.append(tf.nest.map_structure(take, self._sw))
         return tuple(out)
-
-
-def _real(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    return float(v)

@@ -31,6 +31,7 @@ from ..ledger import LedgerWarning, PrivacyLedger
 from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
 from ..queries.base import derive_seed
 from ._data import PoissonBatches
+from .._validate import positive as _number
 
 __all__ = ["DPModel", "make_private", "CLIPPING"]
 
@@ -43,14 +44,6 @@ if not str(getattr(keras, "__version__", "0")).startswith("3."):  # pragma: no c
         "unset TF_USE_LEGACY_KERAS"
     )
 
-
-def _number(name: str, v: Any, *, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {v}")
-    return v
 
 
 @dataclass(frozen=True)

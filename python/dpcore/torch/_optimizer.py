@@ -9,8 +9,6 @@ and only then is the noised average handed to the wrapped optimizer's update rul
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -31,23 +29,16 @@ from ..queries import (
     proportional_noise,
 )
 from ..queries.base import derive_seed
-from ..queries.events import ComposedQueryEvent, SumQueryEvent
+from ..queries.events import ComposedQueryEvent
 from ..queries.microbatch import scale_sensitivity
 from ._distributed import DistributedError, current_communicator, flat_views, resolve_ledger, unwrap_ddp
 from ._engine import PerRecordGradients, clip_factors, clip_margin
+from .._validate import positive as _positive
 
 __all__ = ["DPOptimizer"]
 
 CLIPPING = ("flat", "per_layer", "joint")
 
-
-def _positive(name: str, v: Any, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {v}")
-    return v
 
 
 class _Group:
