@@ -133,6 +133,36 @@ def test_factored_norms_bound_the_captured_gradient(t, din, dout, cancel):
     assert torch.all(sq <= exact * 1.05 + 1e-3 * (a.double().norm(dim=2) * g.double().norm(dim=2)).sum(1) ** 2)
 
 
+@pytest.mark.parametrize("t,dout", [(40, 3), (6, 16), (128, 1024), (1, 7)])
+@pytest.mark.parametrize("cancel", [False, True])
+def test_bias_norms_bound_the_captured_gradient(t, dout, cancel):
+    # A bias's Σ_t g_t is summed in float32 (no float64 copy of g) with its γ_t bound: the norm
+    # is never below the exact one, and the clipped sum adds exactly the vectors it measured.
+    from dpcore.torch._contrib import Factored, param_sq_norms
+
+    gen = torch.Generator().manual_seed(t * 5 + dout)
+    g = torch.randn(9, t, dout, generator=gen) * torch.logspace(-3, 3, 9)[:, None, None]
+    if cancel and t > 1:
+        g[:, 1::2] = -g[:, 0:-1:2] * (1 - 1e-5)
+    b = nn.Parameter(torch.zeros(dout))
+    use = Factored(b, None, g)
+    sq, _ = param_sq_norms([use], 9)
+    exact = g.double().sum(1).pow(2).sum(1)
+    assert torch.all(sq * (1 + 64 * 2.0**-53 * (dout + 32)) >= exact), (sq - exact)
+    assert torch.all(sq <= exact * 1.05 + 1e-3 * g.double().norm(dim=2).sum(1) ** 2)
+    c = torch.rand(9, dtype=torch.float64, generator=gen)
+    acc = torch.zeros(dout)
+    use.add_clipped(c, acc)
+    # exactly Σ_i c_i·(the measured vectors) up to the float32 rounding of that product ...
+    cols = use.colsum if use.colsum is not None else g.sum(1)  # t = 1: g itself, no sum formed
+    measured = (c[:, None] * cols.double()).sum(0)
+    torch.testing.assert_close(acc.double(), measured, rtol=1e-5, atol=1e-6 * float(measured.abs().max()) + 1e-30)
+    # ... and those vectors are within γ_t Σ_t |g_t| of the exact sums (cancellation included)
+    err = (cols.double() - g.double().sum(1)).abs()
+    gamma = t * 2.0**-24 / (1 - t * 2.0**-24)
+    assert torch.all(err <= gamma * g.double().abs().sum(1) * (1 + 1e-6))
+
+
 def test_clipped_records_within_bound_and_match_core():
     # noise_multiplier = 0: the release is exactly the clipped average; compare with the core
     torch.manual_seed(3)

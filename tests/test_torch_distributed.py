@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.distributed.is_available():  # pragma: no cover
-    pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import dpcore  # noqa: E402
 from dpcore.torch import DPOptimizer  # noqa: E402

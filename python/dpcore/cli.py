@@ -396,15 +396,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _finite(v: Any) -> Any:
-    """JSON has no infinity: ε = ∞ is written as the string "inf"."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if v != v else ("inf" if v > 0 else "-inf")
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
+    from .ledger._report import json_safe
 
+    return json_safe(v)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -122,11 +122,19 @@ class PrivacyReport:
         return "\n".join(out) + "\n"
 
 
-def _num(v: Optional[float]) -> Any:
-    """JSON has no infinity: ε = ∞ (a non-private release) is written as the string "inf"."""
-    if v is None:
-        return None
-    return v if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+def json_safe(v: Any) -> Any:
+    """``v`` with every non-finite float written as a string ("inf", "-inf", "nan"): JSON has
+    no infinity, and ε = ∞ (a non-private release) must still be printable."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
+
+
+_num = json_safe
 
 
 def _fmt(v: float) -> str:
