@@ -196,6 +196,10 @@ macro_rules! simd_tier {
             pub fn all_finite<T: Elem>(x: &[T]) -> bool {
                 all_finite_generic(x)
             }
+            #[target_feature(enable = $feat)]
+            pub fn round_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])], sq: &mut [f64]) {
+                round_rows_generic(acc, rows, sq)
+            }
         }
     };
 }
@@ -237,6 +241,65 @@ macro_rules! dispatch {
             _ => $generic($($arg),*),
         }
     }};
+}
+
+/// 1.5·2⁵²: adding and subtracting it rounds an f64 of magnitude below 2⁵¹ to the nearest
+/// integer (ties to even) with two exact-by-construction operations that vectorise.
+const ROUND_MAGIC: f64 = 6_755_399_441_055_744.0;
+
+/// The integer nearest to x·s (ties to even), for |x·s| < 2⁵¹: the fused multiply-add rounds the
+/// exact product once, so no intermediate rounding of x·s can move it across a boundary.
+#[inline(always)]
+pub fn round_product(x: f64, s: f64) -> f64 {
+    x.mul_add(s, ROUND_MAGIC) - ROUND_MAGIC
+}
+
+#[inline(always)]
+fn round_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])], sq: &mut [f64]) {
+    let n = acc.len();
+    let xs: [&[T]; G] = std::array::from_fn(|r| &g[r].1[..n]);
+    let fs: [f64; G] = std::array::from_fn(|r| g[r].0);
+    let mut s = [[0.0f64; 4]; G];
+    let main = n / 4 * 4;
+    for (c, a) in acc[..main].chunks_exact_mut(4).enumerate() {
+        for r in 0..G {
+            let x = &xs[r][c * 4..c * 4 + 4];
+            for l in 0..4 {
+                let v = round_product(x[l].to_f64(), fs[r]);
+                a[l] += v;
+                s[r][l] = v.mul_add(v, s[r][l]);
+            }
+        }
+    }
+    for j in main..n {
+        for r in 0..G {
+            let v = round_product(xs[r][j].to_f64(), fs[r]);
+            acc[j] += v;
+            s[r][0] += v * v;
+        }
+    }
+    for r in 0..G {
+        sq[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+    }
+}
+
+#[inline(always)]
+fn round_rows_generic<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])], sq: &mut [f64]) {
+    for (g, q) in rows.chunks(4).zip(sq.chunks_mut(4)) {
+        match g.len() {
+            4 => round_group::<T, 4>(acc, g, q),
+            3 => round_group::<T, 3>(acc, g, q),
+            2 => round_group::<T, 2>(acc, g, q),
+            _ => round_group::<T, 1>(acc, g, q),
+        }
+    }
+}
+
+/// acc += Σ_r round(f_r·x_r) coordinate-wise (nearest integer, ties to even; |f_r·x_r| < 2⁵¹),
+/// and sq[r] = Σ round(f_r·x_r)² in f64 (with rounding error; a screen, not an exact value).
+/// The sums are of integers, exact below 2⁵³, so every tier gives the same acc.
+pub fn round_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])], sq: &mut [f64]) {
+    dispatch!(round_rows, round_rows_generic(acc, rows, sq))
 }
 
 /// Σ x_j², accumulated in f64 over 32 fixed lanes and added up by a fixed tree.

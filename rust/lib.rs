@@ -11,6 +11,7 @@
 pub mod accounting;
 pub mod chacha;
 pub mod clip;
+pub mod discrete;
 pub mod elem;
 pub mod error;
 pub mod kernels;

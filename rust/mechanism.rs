@@ -5,11 +5,12 @@
 //! With joint-clipping scales α_j (§2) part j receives noise of stddev α_j·z·C: the mechanism
 //! on the scaled record, scaled back. Its privacy tuple is still (C, z·C).
 
-use crate::clip::{check_clip, clip_sum, ClippedSum};
+use crate::clip::{check_clip, clip_round_sum, clip_sum, ClippedSum};
+use crate::discrete::{DiscreteParams, Rounding};
 use crate::error::{DpError, DpResult};
-use crate::noise::noised_part;
+use crate::noise::{build, noised_part};
 use crate::records::{Column, Records};
-use crate::rng::Seed;
+use crate::rng::{chunk_rng, stream_id, Domain, Key, Seed};
 
 /// One output array, in the element type of the matching input.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,10 +99,157 @@ pub fn gaussian_sum_as(
     Ok((outputs, norms))
 }
 
+/// Values per ChaCha20 stream of discrete noise: smaller than `NOISE_CHUNK` because each value
+/// costs about forty times as much, so that the chunks balance across threads. Part of the
+/// output's definition for a given seed.
+const DISCRETE_CHUNK: usize = 2048;
+
+/// Integers up to this magnitude are exact in f64 (with room for the noise).
+const GRID_SUM_LIMIT: f64 = (1u64 << 52) as f64;
+
+/// The discrete Gaussian release of sums already on the grid: part k of the output is
+/// (sums[k] + Y)·grids[k] / denominator with Y_j ~ N_ℤ(0, σ²) i.i.d. (Canonne, Kamath & Steinke
+/// 2020, Theorem 14), as float64. With `round_sums` the sums are in the records' units and are
+/// first divided by their grid step and rounded to the nearest integer (the sensitivity of
+/// `Rounding::Sum`); otherwise they must already be integers (grid units). Every value is
+/// checked before the key is drawn; on error nothing is returned.
+pub fn discrete_release(
+    sums: &[&[f64]],
+    grids: &[f64],
+    params: &DiscreteParams,
+    denominator: Option<f64>,
+    seed: Seed,
+    round_sums: bool,
+) -> DpResult<Vec<Vec<f64>>> {
+    let denom = check_denominator(denominator)?;
+    if sums.len() != grids.len() {
+        return Err(DpError::Shape(format!(
+            "{} sums but {} grid steps",
+            sums.len(),
+            grids.len()
+        )));
+    }
+    for (k, (s, &g)) in sums.iter().zip(grids).enumerate() {
+        if !(g.is_finite() && g > 0.0) {
+            return Err(DpError::param("granularity", format!("part {k}: grid step {g} is not finite and > 0")));
+        }
+        let bad = s.iter().position(|&v| {
+            let k = if round_sums { (v / g).round() } else { v };
+            !(k.abs() <= GRID_SUM_LIMIT && (round_sums || k.fract() == 0.0))
+        });
+        if let Some(j) = bad {
+            return Err(DpError::param(
+                "sums",
+                format!(
+                    "part {k}, coordinate {j}: {} is not {} within 2^52 grid steps",
+                    s[j],
+                    if round_sums { "finite and" } else { "an integer" }
+                ),
+            ));
+        }
+    }
+    let key = seed.key()?;
+    sums.iter()
+        .zip(grids)
+        .enumerate()
+        .map(|(k, (s, &g))| discrete_part(s, g, params, denom, &key, k, round_sums))
+        .collect()
+}
+
+fn discrete_part(
+    sum: &[f64],
+    grid: f64,
+    params: &DiscreteParams,
+    denom: f64,
+    key: &Key,
+    part: usize,
+    round_sums: bool,
+) -> DpResult<Vec<f64>> {
+    let parallel = sum.len() > DISCRETE_CHUNK;
+    build(sum.len(), DISCRETE_CHUNK, parallel, |c, out| {
+        let base = &sum[c * DISCRETE_CHUNK..][..out.len()];
+        let mut rng = chunk_rng(key, stream_id(Domain::DiscreteNoise, part, c));
+        for (o, &v) in out.iter_mut().zip(base) {
+            let k = if round_sums { (v / grid).round() } else { v } as i64;
+            let y = params.noise.as_ref().map_or(0, |n| n.sample(&mut rng));
+            o.write((k + y) as f64 * grid / denom);
+        }
+    })
+}
+
+/// The discrete Gaussian sum mechanism: records clipped to C, rounded onto γ·ℤ^d, summed exactly,
+/// plus N_ℤ(0, σ²) noise with σ·γ ≥ z·C (see `crate::discrete`); the output is float64 in the
+/// records' units (multiples of γ·α_j, divided by `denominator` if given). Returns the outputs,
+/// the records' norms and the parameters (granularity, sensitivity after rounding, σ) that the
+/// ledger must record.
+pub fn discrete_gaussian_sum(
+    records: &Records,
+    l2_norm_clip: f64,
+    noise_multiplier: f64,
+    granularity: Option<f64>,
+    denominator: Option<f64>,
+    seed: Seed,
+) -> DpResult<(Vec<Vec<f64>>, Vec<f64>, DiscreteParams)> {
+    let params = DiscreteParams::new(
+        l2_norm_clip,
+        noise_multiplier,
+        records.dim(),
+        granularity,
+        Rounding::PerRecord,
+    )?;
+    check_denominator(denominator)?;
+    let grids: Vec<f64> = records
+        .parts
+        .iter()
+        .map(|p| params.granularity * p.scale)
+        .collect();
+    let rounded = clip_round_sum(records, l2_norm_clip, params.granularity, params.sens_sq)?;
+    let views: Vec<&[f64]> = rounded.sums.iter().map(|v| v.as_slice()).collect();
+    let outs = discrete_release(&views, &grids, &params, denominator, seed, false)?;
+    Ok((outs, rounded.norms, params))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::records::Part;
+
+    #[test]
+    fn discrete_release_is_on_the_grid_with_variance_zc_squared() {
+        let x = vec![0.3f64; 3 * 40_000];
+        let rec = Records::new(3, vec![Part::new(Column::F64(&x), 40_000)]).unwrap();
+        let (out, norms, p) =
+            discrete_gaussian_sum(&rec, 2.0, 1.5, None, None, Seed::Fixed(4)).unwrap();
+        assert_eq!(norms.len(), 3);
+        let g = p.granularity;
+        let exact = (3.0 * 0.3 * (2.0 / norms[0]) / g).round_ties_even();
+        let mut var = 0.0;
+        for v in &out[0] {
+            let k = v / g;
+            assert_eq!(k.fract(), 0.0, "{v} is not on the grid {g}");
+            var += ((k - exact) * g).powi(2);
+        }
+        var /= out[0].len() as f64;
+        // (z·C)² = 9; standard error 9·√(2/40000) ≈ 0.064.
+        assert!((var - 9.0).abs() < 0.35, "{var}");
+        // Same seed, same bits; another seed, other noise.
+        let (again, _, _) = discrete_gaussian_sum(&rec, 2.0, 1.5, None, None, Seed::Fixed(4)).unwrap();
+        assert_eq!(again, out);
+        let (other, _, _) = discrete_gaussian_sum(&rec, 2.0, 1.5, None, None, Seed::Fixed(5)).unwrap();
+        assert_ne!(other, out);
+    }
+
+    #[test]
+    fn discrete_release_checks_before_drawing() {
+        let p = DiscreteParams::new(1.0, 1.0, 4, Some(0.5), Rounding::Sum).unwrap();
+        let half = [0.5f64, 1.0];
+        assert!(discrete_release(&[&half], &[0.5], &p, None, Seed::Os, false).is_err());
+        assert!(discrete_release(&[&[f64::NAN]], &[0.5], &p, None, Seed::Os, true).is_err());
+        let out = discrete_release(&[&half], &[0.5], &p, Some(2.0), Seed::Fixed(1), true).unwrap();
+        for v in &out[0] {
+            assert_eq!((v * 2.0 / 0.5).fract(), 0.0);
+        }
+    }
 
     #[test]
     fn empty_batch_is_pure_noise() {

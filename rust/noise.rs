@@ -88,21 +88,22 @@ fn fill_chunk<T: NoiseElem, F: Fn(usize, f64) -> f64>(
 /// A vector of `n` values, chunk `c` written by `fill(c, chunk)`, in parallel when `parallel`
 /// and there is more than one chunk. The memory is first touched by the workers, so its page
 /// faults are taken in parallel too.
-fn build<T: Send, F: Fn(usize, &mut [MaybeUninit<T>]) + Sync>(
+pub(crate) fn build<T: Send, F: Fn(usize, &mut [MaybeUninit<T>]) + Sync>(
     n: usize,
+    chunk: usize,
     parallel: bool,
     fill: F,
 ) -> DpResult<Vec<T>> {
     let mut out: Vec<T> = try_with_capacity(n)?;
     let spare = &mut out.spare_capacity_mut()[..n];
-    if parallel && n > NOISE_CHUNK {
+    if parallel && n > chunk {
         spare
-            .par_chunks_mut(NOISE_CHUNK)
+            .par_chunks_mut(chunk)
             .enumerate()
             .for_each(|(c, o)| fill(c, o));
     } else {
         spare
-            .chunks_mut(NOISE_CHUNK)
+            .chunks_mut(chunk)
             .enumerate()
             .for_each(|(c, o)| fill(c, o));
     }
@@ -121,7 +122,7 @@ pub fn gaussian<T: NoiseElem>(
     parallel: bool,
 ) -> DpResult<Vec<T>> {
     check_stddev(stddev)?;
-    build(n, parallel, |c, o| {
+    build(n, NOISE_CHUNK, parallel, |c, o| {
         fill_chunk(key, stream_id(Domain::Noise, 0, c), stddev, o, |_, e| e)
     })
 }
@@ -135,7 +136,7 @@ pub fn noised_part<T: NoiseElem>(
     key: &Key,
     part: usize,
 ) -> DpResult<Vec<T>> {
-    build(sum.len(), true, |c, o| {
+    build(sum.len(), NOISE_CHUNK, true, |c, o| {
         let s = &sum[c * NOISE_CHUNK..];
         fill_chunk(key, stream_id(Domain::Noise, part, c), stddev, o, |j, e| {
             (s[j] + e) / denominator

@@ -30,6 +30,7 @@ pub enum Seed {
 pub enum Domain {
     Noise = 1,
     Sampling = 2,
+    DiscreteNoise = 3,
 }
 
 impl Seed {

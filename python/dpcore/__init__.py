@@ -18,7 +18,14 @@ from . import accounting
 from ._core import __version__
 from .aggregator import PrivateAggregator
 from .ledger import PrivacyLedger
-from .mechanism import clip_noise, clip_sum, gaussian_noise, record_norms
+from .mechanism import (
+    DiscreteGaussianParams,
+    clip_noise,
+    clip_sum,
+    discrete_gaussian_params,
+    gaussian_noise,
+    record_norms,
+)
 from .queries import (
     CountQuery,
     GaussianAverageQuery,
@@ -36,6 +43,8 @@ __all__ = [
     "__version__",
     "accounting",
     "clip_noise",
+    "discrete_gaussian_params",
+    "DiscreteGaussianParams",
     "clip_sum",
     "record_norms",
     "gaussian_noise",

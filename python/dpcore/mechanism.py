@@ -19,6 +19,7 @@ import numbers
 import os
 import sys
 import operator
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -99,6 +100,72 @@ def _pack(flat: List[np.ndarray], arrays: List[np.ndarray], kind: type) -> Any:
     return kind(outs)
 
 
+MECHANISMS = ("gaussian", "discrete_gaussian")
+
+
+def check_mechanism(mechanism: Any) -> str:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"mechanism must be 'gaussian' or 'discrete_gaussian', got {mechanism!r}")
+    return mechanism
+
+
+@dataclass(frozen=True)
+class DiscreteGaussianParams:
+    """The fixed parameters of a discrete Gaussian release (Canonne, Kamath & Steinke 2020).
+
+    ``granularity`` is the grid step γ; ``sensitivity`` the L2 bound of one record's contribution
+    after rounding onto the grid (≥ ``l2_norm_clip``: c + √d/2 grid steps for records rounded one
+    by one, c + √d when only the sum is rounded; Kairouz, Liu & Steinke 2021, §4), rounded up;
+    ``stddev`` the noise's σ in the records' units, rounded down (σ·γ ≥ z·C is what is sampled).
+    The privacy tuple recorded for the release is (``sensitivity``, ``stddev``).
+    """
+
+    granularity: float
+    sensitivity: float
+    stddev: float
+    sens_sq: int
+    variance_ratio: Tuple[int, int]
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ/Δ: the noise multiplier the accountant uses (slightly below the requested one)."""
+        return self.stddev / self.sensitivity
+
+
+def _params(t: Tuple[float, int, int, int, float, float]) -> DiscreteGaussianParams:
+    g, s, n, d, sens, sd = t
+    return DiscreteGaussianParams(g, sens, sd, s, (n, d))
+
+
+def discrete_gaussian_params(
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    dimension: int,
+    *,
+    granularity: Optional[float] = None,
+    rounding: str = "per_record",
+) -> DiscreteGaussianParams:
+    """The parameters a discrete Gaussian release over ``dimension`` coordinates will use.
+
+    ``granularity`` None picks the largest power of two whose sensitivity inflation is at most
+    10⁻⁴ (a power of two keeps every output an exact float multiple of γ). ``rounding`` is
+    "per_record" (:func:`clip_noise`, the queries) or "sum" (the torch optimizer, which forms the
+    sum itself). Deterministic: the same arguments give the same parameters.
+    """
+    if rounding not in ("per_record", "sum"):
+        raise ValueError(f"rounding must be 'per_record' or 'sum', got {rounding!r}")
+    g = None if granularity is None else _real("granularity", granularity)
+    return _params(
+        _core.discrete_params(
+            _real("l2_norm_clip", l2_norm_clip),
+            _real("noise_multiplier", noise_multiplier),
+            operator.index(dimension),
+            g,
+            rounding == "per_record",
+        )
+    )
+
+
 def clip_noise(
     grads: Grads,
     l2_norm_clip: float,
@@ -107,6 +174,8 @@ def clip_noise(
     denominator: Optional[float] = None,
     seed: Optional[int] = None,
     scales: Optional[Sequence[float]] = None,
+    mechanism: str = "gaussian",
+    granularity: Optional[float] = None,
 ) -> Any:
     """Privatized sum of per-record clipped vectors: the Gaussian sum mechanism.
 
@@ -129,13 +198,28 @@ def clip_noise(
     Raises ``ValueError`` for a NaN/∞ in a record (naming the first such record), mismatched
     record counts, or out-of-range parameters; ``TypeError`` for non-float dtypes. On error
     nothing is computed. ``seed`` is for tests and reproductions only (see the module docs).
+
+    ``mechanism="discrete_gaussian"`` gives floating-point-safe noise (Canonne, Kamath & Steinke
+    2020): each clipped record is rounded to the nearest point of the grid γ·ℤ^d (γ =
+    ``granularity``, times α_j for joint clipping), the records are summed exactly in integers,
+    and discrete Gaussian noise N_ℤ(0, σ²) with σ·γ ≥ z·C, sampled with integer arithmetic from
+    ChaCha20, is added. The output is float64 (multiples of γ before any ``denominator``)
+    whatever the input dtype. Rounding adds up to √d/2 grid steps to a record's norm, so the
+    privacy tuple is (Δ, σ·γ) with Δ slightly above C: :func:`discrete_gaussian_params` gives
+    both, and the queries and optimizers record them in the ledger.
     """
     clip = _real("l2_norm_clip", l2_norm_clip)
     z = _real("noise_multiplier", noise_multiplier)
     den = None if denominator is None else _real("denominator", denominator)
     s = _seed(seed)
     arrays, kind = _unpack(grads)
-    flat, _ = _core.gaussian_sum_flat(arrays, clip, z, den, s, _scales(scales, len(arrays)))
+    if check_mechanism(mechanism) == "discrete_gaussian":
+        g = None if granularity is None else _real("granularity", granularity)
+        flat, _, _ = _core.discrete_gaussian_sum_flat(arrays, clip, z, g, den, s, _scales(scales, len(arrays)))
+    else:
+        if granularity is not None:
+            raise ValueError("granularity applies to mechanism='discrete_gaussian' only")
+        flat, _ = _core.gaussian_sum_flat(arrays, clip, z, den, s, _scales(scales, len(arrays)))
     return _pack(flat, arrays, kind)
 
 

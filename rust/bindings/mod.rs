@@ -6,12 +6,13 @@
 mod accounting;
 
 use crate::error::DpError;
-use crate::mechanism::{gaussian_sum_as, Output};
+use crate::discrete::{DiscreteParams, Rounding};
+use crate::mechanism::{discrete_gaussian_sum, discrete_release as release, gaussian_sum_as, Output};
 use crate::noise::gaussian;
 use crate::records::{Column, Part, Records};
 use crate::rng::Seed;
 use crate::{clip, sampling, DpResult};
-use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -142,6 +143,124 @@ fn gaussian_sum_flat(
         outputs(py, outs),
         PyArray1::from_vec(py, norms).into_any().unbind(),
     ))
+}
+
+type ParamsTuple = (f64, u128, u64, u64, f64, f64);
+
+fn params_tuple(p: &DiscreteParams) -> ParamsTuple {
+    let (n, d) = p.noise.as_ref().map_or((0, 1), |n| n.variance_ratio());
+    (p.granularity, p.sens_sq, n, d, p.sensitivity, p.stddev)
+}
+
+fn rounding(per_record: bool) -> Rounding {
+    if per_record {
+        Rounding::PerRecord
+    } else {
+        Rounding::Sum
+    }
+}
+
+/// The discrete Gaussian mechanism's parameters: (granularity, S, σ² numerator, σ² denominator,
+/// sensitivity after rounding, noise stddev), all fixed before any record is read.
+#[pyfunction]
+#[pyo3(signature = (l2_norm_clip, noise_multiplier, dim, granularity=None, per_record=true))]
+fn discrete_params(
+    l2_norm_clip: f64,
+    noise_multiplier: f64,
+    dim: usize,
+    granularity: Option<f64>,
+    per_record: bool,
+) -> PyResult<ParamsTuple> {
+    let p = DiscreteParams::new(l2_norm_clip, noise_multiplier, dim, granularity, rounding(per_record))
+        .map_err(to_py)?;
+    Ok(params_tuple(&p))
+}
+
+/// Discrete Gaussian noised clipped sum (float64 outputs), the norms, and the parameters.
+#[pyfunction]
+#[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, granularity=None, denominator=None, seed=None, scales=None))]
+fn discrete_gaussian_sum_flat(
+    py: Python<'_>,
+    arrays: Vec<Bound<'_, PyAny>>,
+    l2_norm_clip: f64,
+    noise_multiplier: f64,
+    granularity: Option<f64>,
+    denominator: Option<f64>,
+    seed: Option<u64>,
+    scales: Option<Vec<f64>>,
+) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>, ParamsTuple)> {
+    let (batch, held) = hold(&arrays)?;
+    let rec = records(batch, &held, scales.as_deref())?;
+    let seed = Seed::from_option(seed);
+    let (outs, norms, p) = detached(py, || {
+        discrete_gaussian_sum(&rec, l2_norm_clip, noise_multiplier, granularity, denominator, seed)
+    })?;
+    Ok((
+        outs.into_iter()
+            .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
+            .collect(),
+        PyArray1::from_vec(py, norms).into_any().unbind(),
+        params_tuple(&p),
+    ))
+}
+
+/// Clipped records rounded onto the grid and summed exactly (grid units, float64), the norms,
+/// and how many records were rounded toward zero to meet the bound `sens_sq`.
+#[pyfunction]
+#[pyo3(signature = (arrays, l2_norm_clip, granularity, sens_sq, scales=None))]
+fn clip_round_sum(
+    py: Python<'_>,
+    arrays: Vec<Bound<'_, PyAny>>,
+    l2_norm_clip: f64,
+    granularity: f64,
+    sens_sq: u128,
+    scales: Option<Vec<f64>>,
+) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>, usize)> {
+    let (batch, held) = hold(&arrays)?;
+    let rec = records(batch, &held, scales.as_deref())?;
+    let out = detached(py, || clip::clip_round_sum(&rec, l2_norm_clip, granularity, sens_sq))?;
+    Ok((
+        out.sums
+            .into_iter()
+            .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
+            .collect(),
+        PyArray1::from_vec(py, out.norms).into_any().unbind(),
+        out.truncated,
+    ))
+}
+
+/// The discrete Gaussian release of sums (one flat float64 array per part): grid units when
+/// `round_sums` is false, the records' units (rounded here) when true. The parameters are
+/// rebuilt from (l2_norm_clip, noise_multiplier, dim, granularity, per_record).
+#[pyfunction]
+#[pyo3(signature = (sums, part_scales, l2_norm_clip, noise_multiplier, dim, granularity, per_record, denominator=None, seed=None, round_sums=false))]
+fn discrete_release(
+    py: Python<'_>,
+    sums: Vec<PyReadonlyArray1<'_, f64>>,
+    part_scales: Vec<f64>,
+    l2_norm_clip: f64,
+    noise_multiplier: f64,
+    dim: usize,
+    granularity: f64,
+    per_record: bool,
+    denominator: Option<f64>,
+    seed: Option<u64>,
+    round_sums: bool,
+) -> PyResult<Vec<Py<PyAny>>> {
+    let p = DiscreteParams::new(l2_norm_clip, noise_multiplier, dim, Some(granularity), rounding(per_record))
+        .map_err(to_py)?;
+    let views = sums
+        .iter()
+        .map(|a| a.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| PyValueError::new_err("sums must be C-contiguous float64 arrays"))?;
+    let grids: Vec<f64> = part_scales.iter().map(|a| a * p.granularity).collect();
+    let seed = Seed::from_option(seed);
+    let outs = detached(py, || release(&views, &grids, &p, denominator, seed, round_sums))?;
+    Ok(outs
+        .into_iter()
+        .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
+        .collect())
 }
 
 /// The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,).
@@ -279,6 +398,10 @@ fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyRes
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gaussian_sum_flat, m)?)?;
     m.add_function(wrap_pyfunction!(record_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(discrete_params, m)?)?;
+    m.add_function(wrap_pyfunction!(discrete_gaussian_sum_flat, m)?)?;
+    m.add_function(wrap_pyfunction!(clip_round_sum, m)?)?;
+    m.add_function(wrap_pyfunction!(discrete_release, m)?)?;
     m.add_function(wrap_pyfunction!(part_sumsq, m)?)?;
     m.add_function(wrap_pyfunction!(gaussian_flat, m)?)?;
     m.add_function(wrap_pyfunction!(poisson_sample, m)?)?;

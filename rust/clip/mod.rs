@@ -22,7 +22,9 @@ use crate::records::{Column, Elem, Records};
 use rayon::prelude::*;
 
 mod barrier;
+mod rounded;
 mod schedule;
+pub use rounded::{clip_round_sum, RoundedSum};
 use schedule::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -1,0 +1,237 @@
+//! Clipping onto the integer grid, for the discrete Gaussian mechanism (`crate::discrete`):
+//! each record is clipped as in `clip_sum`, divided by the grid step γ (times its part's scale α
+//! for joint clipping), rounded to the nearest integer per coordinate, and summed exactly.
+//!
+//! The sums are held in f64, where integers up to 2⁵³ are exact; the caller's batch and grid are
+//! checked to stay below 2⁵². Each rounded record's squared norm is held to the integer bound S
+//! of `DiscreteParams` (Kairouz, Liu & Steinke 2021, §4): a fast f64 check with the summation
+//! error allowed for, then an exact u128 recount for the records it cannot clear. A record that
+//! fails the exact check (only possible when rounding meets the triangle-inequality worst case)
+//! is rounded toward zero instead, whose norm never exceeds the clipped one.
+
+use super::*;
+
+use crate::kernels::round_product;
+
+const EXACT_LIMIT: f64 = (1u64 << 52) as f64;
+
+/// Σ_i round(f_i·x_i/(γ·α)) per part (grid units, exact integers in f64), and the records' norms.
+#[derive(Debug, Clone)]
+pub struct RoundedSum {
+    pub sums: Vec<Vec<f64>>,
+    pub norms: Vec<f64>,
+    /// Records whose nearest-point rounding exceeded the bound and were rounded toward zero.
+    pub truncated: usize,
+}
+
+/// The exact squared norm of record r after rounding with factor `f`, and (for the fix-up) the
+/// per-part scales.
+fn exact_sq(records: &Records, r: usize, f: f64, inv: &[f64], trunc: bool) -> u128 {
+    fn part<T: Elem>(x: &[T], w: usize, r: usize, s: f64, trunc: bool) -> u128 {
+        x[r * w..(r + 1) * w]
+            .iter()
+            .map(|v| {
+                let x = v.to_f64();
+                let k = if trunc { (x * s).trunc() } else { round_product(x, s) } as i64;
+                (k.unsigned_abs() as u128).pow(2)
+            })
+            .sum()
+    }
+    records
+        .parts
+        .iter()
+        .zip(inv)
+        .map(|(p, &i)| match p.data {
+            Column::F32(x) => part(x, p.width, r, f * i, trunc),
+            Column::F64(x) => part(x, p.width, r, f * i, trunc),
+        })
+        .sum()
+}
+
+/// Replaces record r's nearest-point rounding in the sums by rounding toward zero (or removes it
+/// when `drop`).
+fn retrunc(records: &Records, sums: &mut [Vec<f64>], r: usize, f: f64, inv: &[f64], drop: bool) {
+    fn part<T: Elem>(acc: &mut [f64], x: &[T], w: usize, r: usize, s: f64, drop: bool) {
+        for (a, v) in acc.iter_mut().zip(&x[r * w..(r + 1) * w]) {
+            let x = v.to_f64();
+            *a -= round_product(x, s);
+            if !drop {
+                *a += (x * s).trunc();
+            }
+        }
+    }
+    for ((p, acc), &i) in records.parts.iter().zip(sums.iter_mut()).zip(inv) {
+        match p.data {
+            Column::F32(x) => part(acc, x, p.width, r, f * i, drop),
+            Column::F64(x) => part(acc, x, p.width, r, f * i, drop),
+        }
+    }
+}
+
+/// Clips every record to `l2_norm_clip`, rounds it onto the grid of step `granularity` (part j:
+/// granularity·α_j) and sums exactly; every rounded record's squared norm is at most `sens_sq`
+/// (grid units). Tiled like `clip_sum`: a tile's norms, then its rounded rows while cached.
+pub fn clip_round_sum(
+    records: &Records,
+    l2_norm_clip: f64,
+    granularity: f64,
+    sens_sq: u128,
+) -> DpResult<RoundedSum> {
+    check_clip(l2_norm_clip)?;
+    let grid_clip = l2_norm_clip / granularity;
+    if !(granularity > 0.0
+        && (records.batch as f64 + 1.0) * (grid_clip + 2.0) <= EXACT_LIMIT
+        && grid_clip <= crate::discrete::MAX_GRID_CLIP)
+    {
+        return Err(DpError::param(
+            "granularity",
+            format!(
+                "{} records of up to {grid_clip:.3e} grid steps each would leave the exact integer \
+                 range of the sum (2^52); use a coarser granularity",
+                records.batch
+            ),
+        ));
+    }
+    let inv: Vec<f64> = records
+        .parts
+        .iter()
+        .map(|p| 1.0 / (granularity * p.scale))
+        .collect();
+    let blocks = column_blocks(records);
+    let nb = blocks.len();
+    let block_inv: Vec<f64> = blocks.iter().map(|b| inv[b.part]).collect();
+    let margin = clip_margin(records);
+    let (step, par) = (tile_rows(records), use_parallel(records));
+    // ŝ ≤ s·(1 + (n+1)·2⁻⁵³) for a sum of n non-negative terms each rounded once; n ≤ d + nb.
+    let err = 2.0 * (records.dim() as f64 + nb as f64 + 8.0) * f64::EPSILON;
+    let bound = (sens_sq as f64).next_down().next_down();
+    let mut sums = zero_sums(records)?;
+    let mut norms = Vec::with_capacity(records.batch);
+    let mut doubtful: Vec<(usize, f64)> = Vec::new();
+    {
+        let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
+        let mut r0 = 0;
+        while r0 < records.batch {
+            let r1 = (r0 + step).min(records.batch);
+            let rows = r1 - r0;
+            let tile = tile_norms(records, &blocks, r0, r1, par)?;
+            let factors: Vec<f64> = tile
+                .iter()
+                .map(|&n| clip_factor(n, l2_norm_clip, margin))
+                .collect();
+            let mut partial = vec![0.0f64; rows * nb];
+            let work = |((a, b), (sq, &i)): ((&mut &mut [f64], &Block), (&mut [f64], &f64))| {
+                let p = &records.parts[b.part];
+                match p.data {
+                    Column::F32(x) => {
+                        let rows: Vec<(f64, &[f32])> = (0..rows)
+                            .map(|k| (factors[k] * i, row(x, p.width, r0 + k, b)))
+                            .collect();
+                        kernels::round_rows(a, &rows, sq)
+                    }
+                    Column::F64(x) => {
+                        let rows: Vec<(f64, &[f64])> = (0..rows)
+                            .map(|k| (factors[k] * i, row(x, p.width, r0 + k, b)))
+                            .collect();
+                        kernels::round_rows(a, &rows, sq)
+                    }
+                }
+            };
+            if par {
+                acc.par_iter_mut()
+                    .zip(blocks.par_iter())
+                    .zip(partial.par_chunks_mut(rows.max(1)).zip(block_inv.par_iter()))
+                    .for_each(work);
+            } else {
+                acc.iter_mut()
+                    .zip(blocks.iter())
+                    .zip(partial.chunks_mut(rows.max(1)).zip(block_inv.iter()))
+                    .for_each(work);
+            }
+            for (k, f) in factors.iter().enumerate() {
+                let s: f64 = (0..nb).map(|b| partial[b * rows + k]).sum();
+                if s * (1.0 + err) > bound {
+                    doubtful.push((r0 + k, *f));
+                }
+            }
+            norms.extend(tile);
+            r0 = r1;
+        }
+    }
+    let mut truncated = 0;
+    for (r, f) in doubtful {
+        if exact_sq(records, r, f, &inv, false) <= sens_sq {
+            continue;
+        }
+        // ‖trunc(y)‖ ≤ ‖y‖ ≤ c < √S; the exact recount guards even that.
+        let ok = exact_sq(records, r, f, &inv, true) <= sens_sq;
+        retrunc(records, &mut sums, r, f, &inv, !ok);
+        truncated += 1;
+    }
+    Ok(RoundedSum {
+        sums,
+        norms,
+        truncated,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::Part;
+
+    fn reference(x: &[f32], batch: usize, w: usize, c: f64, g: f64) -> Vec<f64> {
+        let mut out = vec![0.0; w];
+        for r in 0..batch {
+            let row = &x[r * w..(r + 1) * w];
+            let n = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+            let f = if n > c { c / n } else { 1.0 };
+            for (o, v) in out.iter_mut().zip(row) {
+                *o += (*v as f64 * f / g).round_ties_even();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn sums_the_rounded_clipped_records() {
+        let (batch, w) = (37, 9000);
+        let x: Vec<f32> = (0..batch * w)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * if i % 3 == 0 { 0.01 } else { 1.0 })
+            .collect();
+        let rec = Records::new(batch, vec![Part::new(Column::F32(&x), w)]).unwrap();
+        let g = 1.0 / 4096.0;
+        let out = clip_round_sum(&rec, 2.0, g, u128::MAX >> 1).unwrap();
+        let want = reference(&x, batch, w, 2.0, g);
+        let mut differ = 0;
+        for (a, b) in out.sums[0].iter().zip(&want) {
+            assert_eq!(a.fract(), 0.0);
+            // The clip factor's margin may move a value across a rounding boundary.
+            assert!((a - b).abs() <= batch as f64, "{a} vs {b}");
+            differ += (a != b) as usize;
+        }
+        assert!(differ < w / 10, "{differ}");
+        assert_eq!(out.truncated, 0);
+    }
+
+    #[test]
+    fn a_record_over_the_bound_is_rounded_toward_zero() {
+        // y = (0.5, 0.5, 0.5, 0.5)·3 … rounds to 2 each: norm² 16 > 9·… ; bound S = 12.
+        let x = [1.5f64, 1.5, 1.5, 1.5, 0.2, 0.2, 0.2, 0.2];
+        let rec = Records::new(2, vec![Part::new(Column::F64(&x), 4)]).unwrap();
+        let out = clip_round_sum(&rec, 10.0, 1.0, 12).unwrap();
+        assert_eq!(out.truncated, 1);
+        // trunc(1.5) = 1 for record 0, round(0.2) = 0 for record 1.
+        assert_eq!(out.sums[0], vec![1.0; 4]);
+        let fine = clip_round_sum(&rec, 10.0, 1.0, 16).unwrap();
+        assert_eq!(fine.truncated, 0);
+        assert_eq!(fine.sums[0], vec![2.0; 4]);
+    }
+
+    #[test]
+    fn refuses_sums_past_exact_integers() {
+        let x = [1.0f32; 4];
+        let rec = Records::new(1, vec![Part::new(Column::F32(&x), 4)]).unwrap();
+        assert!(clip_round_sum(&rec, 1.0, 1e-20, u128::MAX).is_err());
+    }
+}
