@@ -8,6 +8,10 @@ __version__: str
 __all__ = [
     "gaussian_sum_flat",
     "record_norms",
+    "discrete_params",
+    "discrete_gaussian_sum_flat",
+    "clip_round_sum",
+    "discrete_release",
     "part_sumsq",
     "gaussian_flat",
     "poisson_sample",
@@ -41,6 +45,41 @@ def gaussian_sum_flat(
     f64_out: bool = False,
 ) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]:
     """Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms."""
+def discrete_params(
+    l2_norm_clip: float, noise_multiplier: float, dim: int, granularity: Optional[float] = None, per_record: bool = True
+) -> Tuple[float, int, int, int, float, float]:
+    """The discrete Gaussian mechanism's parameters: (granularity, S, σ² numerator, σ² denominator,
+    sensitivity after rounding, noise stddev), all fixed before any record is read."""
+def discrete_gaussian_sum_flat(
+    arrays: List[np.ndarray],
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    granularity: Optional[float] = None,
+    denominator: Optional[float] = None,
+    seed: Optional[int] = None,
+    scales: Optional[List[float]] = None,
+) -> Tuple[List[npt.NDArray[np.float64]], npt.NDArray[np.float64], Tuple[float, int, int, int, float, float]]:
+    """Discrete Gaussian noised clipped sum (float64 outputs), the norms, and the parameters."""
+def clip_round_sum(
+    arrays: List[np.ndarray], l2_norm_clip: float, granularity: float, sens_sq: int, scales: Optional[List[float]] = None
+) -> Tuple[List[npt.NDArray[np.float64]], npt.NDArray[np.float64], int]:
+    """Clipped records rounded onto the grid and summed exactly (grid units, float64), the norms,
+    and how many records were rounded toward zero to meet the bound `sens_sq`."""
+def discrete_release(
+    sums: List[npt.NDArray[np.float64]],
+    part_scales: List[float],
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    dim: int,
+    granularity: float,
+    per_record: bool,
+    denominator: Optional[float] = None,
+    seed: Optional[int] = None,
+    round_sums: bool = False,
+) -> List[npt.NDArray[np.float64]]:
+    """The discrete Gaussian release of sums (one flat float64 array per part): grid units when
+    `round_sums` is false, the records' units (rounded here) when true. The parameters are
+    rebuilt from (l2_norm_clip, noise_multiplier, dim, granularity, per_record)."""
 def record_norms(arrays: List[np.ndarray], scales: Optional[List[float]] = None) -> npt.NDArray[np.float64]:
     """The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,)."""
 def part_sumsq(arrays: List[np.ndarray], parallel: bool = True) -> List[npt.NDArray[np.float64]]:

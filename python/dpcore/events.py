@@ -44,6 +44,7 @@ __all__ = [
     # accountant events (dp_accounting's vocabulary)
     "Event",
     "GaussianEvent",
+    "DiscreteGaussianEvent",
     "PoissonSampledEvent",
     "SampledWithoutReplacementEvent",
     "TruncatedPoissonSampledEvent",
@@ -56,6 +57,16 @@ __all__ = [
 
 # ============================================================================= sum-query events
 
+#: The noise distributions a sum query may add.
+MECHANISMS = ("gaussian", "discrete_gaussian")
+
+
+def is_discrete(privacy_tuples: Iterable[Any]) -> bool:
+    """Whether any of these :class:`SumQueryEvent` used the discrete Gaussian: the release is
+    then accounted as a discrete Gaussian mechanism (whose Rényi bound also covers continuous
+    Gaussian groups composed with it on the same sample)."""
+    return any(getattr(t, "mechanism", "gaussian") == "discrete_gaussian" for t in privacy_tuples)
+
 
 
 @dataclass(frozen=True)
@@ -65,12 +76,19 @@ class SumQueryEvent:
     ``l2_norm_clip`` is S_g, the L2 bound of one record's contribution (its sensitivity under
     add-or-remove-one neighbouring); ``stddev`` is σ̃_g, the stddev of the noise added to the sum
     (before any division by a denominator). ``stddev == 0`` is a release without privacy.
+
+    ``mechanism`` is ``"gaussian"`` or ``"discrete_gaussian"`` (Canonne, Kamath & Steinke 2020:
+    records rounded onto a grid, integer noise N_ℤ(0, σ̃²) in grid units); for the latter S_g is
+    the sensitivity after rounding, and the accountants use the discrete Gaussian's analysis.
     """
 
     l2_norm_clip: float
     stddev: float
+    mechanism: str = "gaussian"
 
     def __post_init__(self) -> None:
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}; got {self.mechanism!r}")
         s = _finite("l2_norm_clip", self.l2_norm_clip)
         sd = _finite("stddev", self.stddev)
         if s <= 0:
@@ -231,6 +249,23 @@ def event_from_dict(d: Dict[str, Any]) -> Event:
 @dataclass(frozen=True)
 class GaussianEvent(Event):
     """The Gaussian mechanism with noise standard deviation ``noise_multiplier`` × sensitivity."""
+
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        z = _real("noise_multiplier", self.noise_multiplier)
+        if not z >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+        object.__setattr__(self, "noise_multiplier", z)
+
+
+@dataclass(frozen=True)
+class DiscreteGaussianEvent(Event):
+    """The discrete Gaussian mechanism (Canonne, Kamath & Steinke 2020) on an integer-valued
+    query: noise N_ℤ(0, σ²) per coordinate with σ = ``noise_multiplier`` × the query's L2
+    sensitivity after rounding. It satisfies the Rényi bound ε(α) = α/(2z²) of the continuous
+    Gaussian (CKS 2020, Theorem 14), but its privacy loss distribution is not the continuous
+    one: accountants analyse it through RDP only (:class:`dpcore.accounting.RdpAccountant`)."""
 
     noise_multiplier: float
 

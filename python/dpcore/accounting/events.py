@@ -7,6 +7,7 @@ The vocabulary mirrors Google's ``dp_accounting`` (see :mod:`dpcore.accounting.i
 
 from ..events import (
     ComposedEvent,
+    DiscreteGaussianEvent,
     Event,
     GaussianEvent,
     NonPrivateEvent,
@@ -20,6 +21,7 @@ from ..events import (
 __all__ = [
     "Event",
     "GaussianEvent",
+    "DiscreteGaussianEvent",
     "PoissonSampledEvent",
     "SampledWithoutReplacementEvent",
     "TruncatedPoissonSampledEvent",

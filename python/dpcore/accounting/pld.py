@@ -32,6 +32,7 @@ from .. import _core
 from ..events import (
     ComposedEvent,
     Event,
+    DiscreteGaussianEvent,
     GaussianEvent,
     NonPrivateEvent,
     PoissonSampledEvent,
@@ -93,6 +94,12 @@ class PldAccountant(PrivacyAccountant):
             return None
         if isinstance(e, (NonPrivateEvent, GaussianEvent)):
             return None
+        if isinstance(e, DiscreteGaussianEvent) or isinstance(getattr(e, "event", None), DiscreteGaussianEvent):
+            return (
+                "PldAccountant cannot analyse the discrete Gaussian mechanism: its privacy loss distribution is not "
+                "the continuous Gaussian's, and only its Rényi bound is established (Canonne, Kamath & Steinke 2020, "
+                "Theorem 14); use RdpAccountant"
+            )
         if isinstance(e, PoissonSampledEvent):
             if isinstance(e.event, NonPrivateEvent):
                 return None

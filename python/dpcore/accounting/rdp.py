@@ -9,6 +9,13 @@ The math runs in Rust (``rust/accounting``):
 * Sampling without replacement, replace-one adjacency: Wang, Balle, Kasiviswanathan 2019
   (arXiv:1808.00087), Theorem 9 with the Gaussian refinement of Theorem 27, exact at integer α
   and interpolated on the convex cumulant (Corollary 10) between them.
+* Poisson-subsampled *discrete* Gaussian (``DiscreteGaussianEvent``): its base curve is the
+  Gaussian's α/(2z²) (Canonne, Kamath & Steinke 2020, Theorem 14), but the sampled Gaussian's
+  exact formula above relies on the continuous density, so the general Poisson-subsampling
+  bound of Zhu & Wang 2019 ("Poisson Subsampled Rényi Differential Privacy", ICML, Theorem 6),
+  valid for any mechanism with that curve, is used at integer α, together with the
+  unamplified curve (whichever is smaller); real α take the chord of the convex cumulant
+  (α − 1)ε(α) between integers (Wang, Balle & Kasiviswanathan 2019, Corollary 10).
 * Composition adds RDP (Mironov 2017, arXiv:1702.07476, Proposition 1).
 * RDP → (ε, δ): ε = r + log1p(−1/α) − (log δ + log α)/(α − 1) (Canonne, Kamath, Steinke 2020,
   arXiv:2004.00010, Proposition 12; Balle et al. 2020, arXiv:1905.09982, Theorem 21), minimised
@@ -28,6 +35,7 @@ from .. import _core
 from .base import PrivacyAccountant, UnsupportedEventError
 from .events import (
     ComposedEvent,
+    DiscreteGaussianEvent,
     Event,
     GaussianEvent,
     NonPrivateEvent,
@@ -108,6 +116,70 @@ def rdp_poisson_subsampled_gaussian(sampling_probability: float, noise_multiplie
     return np.asarray(out).reshape(a.shape)
 
 
+def _zhu_wang_integer(q: float, z: float, alpha: int) -> float:
+    """Zhu & Wang 2019, Theorem 6, at integer α ≥ 2 for a base curve ε(ℓ) = ℓ/(2z²):
+    ε(α) ≤ log[(1−q)^{α−1}(αq − q + 1) + C(α,2)q²(1−q)^{α−2}e^{ε(2)}
+    + 3 Σ_{ℓ=3}^{α} C(α,ℓ)(1−q)^{α−ℓ}q^ℓ e^{(ℓ−1)ε(ℓ)}] / (α − 1), computed in log space."""
+    base = alpha / (2.0 * z * z)
+    if q >= 1.0:
+        return base
+    lq, l1q = math.log(q), math.log1p(-q)
+    ell = np.arange(2, alpha + 1, dtype=np.float64)
+    logc = math.lgamma(alpha + 1) - np.array([math.lgamma(k + 1) + math.lgamma(alpha - k + 1) for k in ell])
+    terms = logc + ell * lq + (alpha - ell) * l1q + (ell - 1) * ell / (2.0 * z * z)
+    terms[1:] += math.log(3.0)
+    first = (alpha - 1) * l1q + math.log1p((alpha - 1) * q)
+    allt = np.concatenate(([first], terms))
+    m = allt.max()
+    bound = (m + math.log(np.exp(allt - m).sum())) / (alpha - 1)
+    return min(base, bound)
+
+
+def rdp_poisson_subsampled_discrete_gaussian(sampling_probability: float, noise_multiplier: float, orders: Any) -> np.ndarray:
+    """RDP ε(α) of one Poisson-subsampled discrete Gaussian step at each order (an upper bound).
+
+    Zhu & Wang 2019, Theorem 6 (general Poisson subsampling) on the base curve α/(2z²) of the
+    discrete Gaussian (Canonne, Kamath & Steinke 2020, Theorem 14), or that base curve if
+    smaller; real orders interpolate the cumulant (α − 1)ε(α) linearly between integers, which
+    bounds it from above because it is convex (Wang, Balle & Kasiviswanathan 2019, Corollary
+    10). Rounded up by a relative 10⁻⁹ for the float error of the log-sum.
+    """
+    q = _real("sampling_probability", sampling_probability)
+    z = _real("noise_multiplier", noise_multiplier)
+    if not 0 <= q <= 1:
+        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
+    if not z >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    a = np.asarray(orders, dtype=np.float64)
+    flat = a.ravel()
+    if np.isnan(flat).any() or not (flat > 1).all():
+        raise ValueError("orders must all be > 1")
+    if q == 0:
+        return np.zeros(a.shape)
+    if z == 0:
+        return np.full(a.shape, np.inf)
+    cache: Dict[int, float] = {1: 0.0}
+
+    def cumulant(k: int) -> float:
+        if k not in cache:
+            cache[k] = (k - 1) * _zhu_wang_integer(q, z, k)
+        return cache[k]
+
+    out = np.empty(flat.shape)
+    for i, alpha in enumerate(flat):
+        if math.isinf(alpha):
+            out[i] = math.inf
+            continue
+        lo = int(math.floor(alpha))
+        if lo == alpha:
+            k = cumulant(lo)
+        else:
+            t = alpha - lo
+            k = (1 - t) * cumulant(lo) + t * cumulant(lo + 1)
+        out[i] = k / (alpha - 1)
+    return np.nextafter(out * (1 + 1e-9), np.inf).reshape(a.shape)
+
+
 def _effective_noise(event: Event) -> Optional[float]:
     """Noise multiplier of a Gaussian-only event run on one batch (Gaussians composed on the
     same data combine as 1/z² = Σ count/z_i², Mironov 2017 Prop. 1 + 7); None if it is not
@@ -148,6 +220,7 @@ class RdpAccountant(PrivacyAccountant):
         self._neighboring = neighboring
         self._poisson: Dict[Tuple[float, float], int] = {}
         self._wor: Dict[Tuple[float, float], int] = {}
+        self._discrete: Dict[Tuple[float, float], int] = {}
         self._non_private = False
         self._group_rdp: Dict[Tuple[str, float, float], np.ndarray] = {}
 
@@ -160,7 +233,7 @@ class RdpAccountant(PrivacyAccountant):
         if not isinstance(event, Event):
             return False
         try:
-            self._walk(event, 1, {}, {}, {"non_private": False}, {})
+            self._walk(event, 1, {}, {}, {"non_private": False}, {}, {})
         except (TypeError, ValueError):
             return False
         return True
@@ -173,32 +246,48 @@ class RdpAccountant(PrivacyAccountant):
         count = _count("count", count)
         poisson: Dict[Tuple[float, float], int] = {}
         wor: Dict[Tuple[float, float], int] = {}
+        discrete: Dict[Tuple[float, float], int] = {}
         flags = {"non_private": False}
-        self._walk(event, count, poisson, wor, flags, {})
+        self._walk(event, count, poisson, wor, flags, {}, discrete)
         for k, c in poisson.items():
             self._poisson[k] = self._poisson.get(k, 0) + c
+        for k, c in discrete.items():
+            self._discrete[k] = self._discrete.get(k, 0) + c
         for k, c in wor.items():
             self._wor[k] = self._wor.get(k, 0) + c
         self._non_private |= flags["non_private"]
         return self
 
-    def _walk(self, e: Event, count: int, poisson: dict, wor: dict, flags: dict, memo: dict) -> None:
+    def _walk(self, e: Event, count: int, poisson: dict, wor: dict, flags: dict, memo: dict, discrete: dict) -> None:
         if count == 0:
             return
         if isinstance(e, SelfComposedEvent):
-            self._walk(e.event, count * e.count, poisson, wor, flags, memo)
+            self._walk(e.event, count * e.count, poisson, wor, flags, memo, discrete)
         elif isinstance(e, ComposedEvent):
             # Group repeated sub-events first: 10⁶ identical entries cost one dict update.
             tally: Dict[Event, int] = {}
             for sub in e.events:
                 tally[sub] = tally.get(sub, 0) + 1
             for sub, c in tally.items():
-                self._walk(sub, count * c, poisson, wor, flags, memo)
+                self._walk(sub, count * c, poisson, wor, flags, memo, discrete)
         elif isinstance(e, NonPrivateEvent):
             flags["non_private"] = True
         elif isinstance(e, GaussianEvent):
             key = (1.0, e.noise_multiplier)
             poisson[key] = poisson.get(key, 0) + count
+        elif isinstance(e, DiscreteGaussianEvent) or (
+            isinstance(e, PoissonSampledEvent) and isinstance(e.event, DiscreteGaussianEvent)
+        ):
+            if self._neighboring != "add_or_remove":
+                raise UnsupportedEventError(
+                    f"RdpAccountant analyses the discrete Gaussian under neighboring='add_or_remove' only, got {e!r}"
+                )
+            q, inner = (e.sampling_probability, e.event) if isinstance(e, PoissonSampledEvent) else (1.0, e)
+            if inner.noise_multiplier == 0:
+                flags["non_private"] = True
+            else:
+                key = (q, inner.noise_multiplier)
+                discrete[key] = discrete.get(key, 0) + count
         elif isinstance(e, PoissonSampledEvent):
             if self._neighboring != "add_or_remove":
                 raise UnsupportedEventError(
@@ -214,6 +303,11 @@ class RdpAccountant(PrivacyAccountant):
                 raise UnsupportedEventError(
                     f"RdpAccountant cannot analyse {e!r} under neighboring='add_or_remove': sampling without "
                     "replacement is analysed under RdpAccountant(neighboring='replace_one')"
+                )
+            if isinstance(e.event, DiscreteGaussianEvent):
+                raise UnsupportedEventError(
+                    "RdpAccountant cannot analyse the discrete Gaussian on samples drawn without replacement (the "
+                    "analysis used there is specific to the continuous Gaussian); use Poisson sampling"
                 )
             z = self._inner_noise(e.event, "SampledWithoutReplacementEvent", flags)
             if z is not None:
@@ -259,8 +353,15 @@ class RdpAccountant(PrivacyAccountant):
                 self._group_rdp[("p",) + k] = flat[i]
             for i, k in enumerate(missing_w):
                 self._group_rdp[("w",) + k] = flat[len(missing_p) + i]
+        for k in self._discrete:
+            if ("d",) + k not in self._group_rdp:
+                self._group_rdp[("d",) + k] = rdp_poisson_subsampled_discrete_gaussian(k[0], k[1], self._orders)
         total = np.zeros(self._orders.shape)
-        groups = [(("p",) + k, c) for k, c in self._poisson.items()] + [(("w",) + k, c) for k, c in self._wor.items()]
+        groups = (
+            [(("p",) + k, c) for k, c in self._poisson.items()]
+            + [(("w",) + k, c) for k, c in self._wor.items()]
+            + [(("d",) + k, c) for k, c in self._discrete.items()]
+        )
         for key, c in groups:
             r = self._group_rdp[key]
             total += np.where(r == 0, 0.0, c * r)
@@ -273,6 +374,10 @@ class RdpAccountant(PrivacyAccountant):
         ε = inf when no finite guarantee exists (e.g. δ = 0 or a non-private event)."""
         delta = _delta(delta)
         p, w = self._groups()
+        if any(c > 0 for c in self._discrete.values()):
+            # The continuous search between orders knows only the continuous analyses: with
+            # discrete groups, the minimum over the grid (still an upper bound).
+            return epsilon_from_rdp(self._orders, self.rdp, delta)
         eps, order, at_edge = _core.epsilon_composition(
             p, w, self._non_private, self._orders.tolist(), delta, self.rdp.tolist()
         )
@@ -290,6 +395,8 @@ class RdpAccountant(PrivacyAccountant):
         if not eps >= 0:
             raise ValueError(f"epsilon must be >= 0, got {eps}")
         p, w = self._groups()
+        if any(c > 0 for c in self._discrete.values()):
+            return _delta_from_rdp_grid(self._orders, self.rdp, eps)
         d, order, at_edge = _core.delta_composition(p, w, self._non_private, self._orders.tolist(), eps, self.rdp.tolist())
         _warn_edge(at_edge, order, self._orders)
         return d, order
@@ -338,6 +445,20 @@ def epsilon(
     eps, order, at_edge = _core.epsilon_composition([(q, z, float(s))], [], False, o.tolist(), d)
     _warn_edge(at_edge, order, o)
     return eps
+
+
+def _delta_from_rdp_grid(orders: np.ndarray, rdp: np.ndarray, eps: float) -> Tuple[float, float]:
+    """(δ, α) from RDP on a grid: min over α of exp((α − 1)(r − ε + log1p(−1/α)) − log α)
+    (CKS 2020, Prop. 12), capped at 1."""
+    best, order = 1.0, float(orders[0])
+    for a, r in zip(orders.tolist(), rdp.tolist()):
+        if not math.isfinite(r):
+            continue
+        log_d = (a - 1) * (r - eps + math.log1p(-1 / a)) - math.log(a)
+        d = math.exp(min(log_d, 0.0))
+        if d < best:
+            best, order = d, a
+    return best, order
 
 
 def epsilon_from_rdp(orders: Sequence[float], rdp: Sequence[float], delta: float) -> Tuple[float, float]:

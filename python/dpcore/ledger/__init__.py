@@ -383,7 +383,9 @@ def _unsupported_kinds(acct: Any, event: Any) -> List[str]:
         if acct.supports(part):
             continue
         inner = part.event if isinstance(part, SelfComposedEvent) else part
-        name = type(inner).__name__
+        # Name the mechanism when the sampling is fine but what it samples is not.
+        mech = getattr(inner, "event", None)
+        name = type(inner).__name__ + (f"({type(mech).__name__})" if mech is not None else "")
         if name not in kinds:
             kinds.append(name)
     return kinds

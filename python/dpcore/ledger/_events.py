@@ -47,15 +47,19 @@ def samples_to_event(
         if not s.released:
             continue
         z = s.noise_multiplier() * scale
+        # A sample with any discrete Gaussian query is one discrete Gaussian mechanism with the
+        # z of Eq. (1): Gaussian groups beside it have the same Rényi curve α/(2z_g²), so the
+        # product's curve is α/(2z²) either way (CKS 2020, Theorem 14).
+        base = acc.DiscreteGaussianEvent(z) if s.discrete else acc.GaussianEvent(z) if z else None
         if z == 0.0:
             ev: Any = acc.NonPrivateEvent()
         elif s.policy == POISSON:
-            ev = acc.PoissonSampledEvent(s.sampling_probability, acc.GaussianEvent(z))
+            ev = acc.PoissonSampledEvent(s.sampling_probability, base)
         elif s.policy == FIXED_SIZE:
-            ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, acc.GaussianEvent(z))
+            ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, base)
         else:
             shuffled += count
-            ev = acc.GaussianEvent(z)
+            ev = base
         seeded += s.seeded * count
         if events and events[-1][0] == ev:
             events[-1][1] += count

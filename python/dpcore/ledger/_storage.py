@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _core
 from .._validate import count as _int
-from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier
+from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier, is_discrete
 
 FORMAT = "dpcore-privacy-ledger"
 VERSION = 1
@@ -76,6 +76,11 @@ class LedgerSample:
         if self.non_private:
             return 0.0
         return effective_noise_multiplier(self.queries)
+
+    @property
+    def discrete(self) -> bool:
+        """Whether a query on this sample used the discrete Gaussian mechanism."""
+        return is_discrete(self.queries)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -138,7 +143,7 @@ def _tuples_of(event: Any) -> Tuple[List[SumQueryEvent], bool]:
             raise ValueError("event nests too deeply")
         if isinstance(e, SumQueryEvent):
             # Rebuilt so that an event mutated behind the frozen dataclass is checked again.
-            tuples.append(SumQueryEvent(e.l2_norm_clip, e.stddev))
+            tuples.append(SumQueryEvent(e.l2_norm_clip, e.stddev, e.mechanism))
         elif isinstance(e, NonPrivateQueryEvent):
             non_private = True
         elif isinstance(e, ComposedQueryEvent):
@@ -175,7 +180,12 @@ def _release_entries(
             }
         )
     for t in tuples:
-        entries.append({"type": "sum_query", "sample": sample.sample, "l2_norm_clip": t.l2_norm_clip, "stddev": t.stddev})
+        entry = {"type": "sum_query", "sample": sample.sample, "l2_norm_clip": t.l2_norm_clip, "stddev": t.stddev}
+        if t.mechanism != "gaussian":
+            # Only then: a Gaussian entry keeps the format every earlier reader (and the fast
+            # reader in the core) accepts.
+            entry["mechanism"] = t.mechanism
+        entries.append(entry)
     if non_private:
         entries.append({"type": "non_private", "sample": sample.sample})
     return entries
@@ -262,7 +272,9 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
             )
             c.samples.append(s)
         elif kind in ("sum_query", "non_private"):
-            keys = ("type", "sample", "l2_norm_clip", "stddev") if kind == "sum_query" else ("type", "sample")
+            keys: Tuple[str, ...] = ("type", "sample", "l2_norm_clip", "stddev") if kind == "sum_query" else ("type", "sample")
+            if kind == "sum_query" and "mechanism" in obj:
+                keys += ("mechanism",)
             _expect_keys(obj, keys, lineno, path)
             sid = _int("sample", obj["sample"], 0)
             if not c.samples or sid != c.samples[-1].sample:
@@ -272,7 +284,10 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
                 for k in ("l2_norm_clip", "stddev"):
                     if isinstance(obj[k], bool) or not isinstance(obj[k], (int, float)):
                         raise TypeError(f"{k} must be a number")
-                t = SumQueryEvent(obj["l2_norm_clip"], obj["stddev"])
+                mech = obj.get("mechanism", "gaussian")
+                if not isinstance(mech, str) or mech == "gaussian" and "mechanism" in obj:
+                    raise ValueError(f"mechanism must be a non-default mechanism name, got {mech!r}")
+                t = SumQueryEvent(obj["l2_norm_clip"], obj["stddev"], mech)
                 c.samples[-1] = _replace(last, queries=last.queries + (t,))
             else:
                 c.samples[-1] = _replace(last, non_private=True)

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..mechanism import _unpack, clip_sum
+from .. import _core
+from ..mechanism import DiscreteGaussianParams, _unpack, check_mechanism, clip_sum, discrete_gaussian_params
 from .base import DPQuery, ReleasePlan, SumState, check_parts, nonnegative, positive
 from ..events import NonPrivateQueryEvent, SumQueryEvent
 
@@ -59,16 +60,36 @@ class GaussianSumQuery(DPQuery):
     Rust core, the clipped records are summed in float64, and noise of stddev ``stddev`` = σ̃ is
     added to every coordinate of the sum. Its event is ``SumQueryEvent(S, σ̃)``; the noise
     multiplier is σ̃/S.
+
+    ``mechanism="discrete_gaussian"`` makes the noise floating-point safe (Canonne, Kamath &
+    Steinke 2020; see :func:`dpcore.clip_noise`): records are rounded onto the grid of step
+    ``granularity`` (default: the power of two of :func:`dpcore.discrete_gaussian_params` for
+    the group's size), summed exactly, and noised with N_ℤ; the result is float64 and the event
+    is ``SumQueryEvent(Δ, σ̃, "discrete_gaussian")`` with Δ ≥ S the sensitivity after rounding.
     """
 
     _scales: Optional[Tuple[float, ...]] = None
 
-    def __init__(self, l2_norm_clip: float, stddev: float) -> None:
+    def __init__(
+        self, l2_norm_clip: float, stddev: float, *, mechanism: str = "gaussian", granularity: Optional[float] = None
+    ) -> None:
         self._clip = positive("l2_norm_clip", l2_norm_clip)
         self._stddev = nonnegative("stddev", stddev)
+        self._mechanism = check_mechanism(mechanism)
+        if granularity is not None and mechanism != "discrete_gaussian":
+            raise ValueError("granularity applies to mechanism='discrete_gaussian' only")
+        self._granularity = None if granularity is None else positive("granularity", granularity)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(l2_norm_clip={self._clip}, stddev={self._stddev})"
+        extra = "" if self._mechanism == "gaussian" else f", mechanism={self._mechanism!r}"
+        return f"{type(self).__name__}(l2_norm_clip={self._clip}, stddev={self._stddev}{extra})"
+
+    @property
+    def mechanism(self) -> str:
+        return self._mechanism
+
+    def _discrete(self, clip: float, stddev: float, dim: int) -> DiscreteGaussianParams:
+        return discrete_gaussian_params(clip, stddev / clip, dim, granularity=self._granularity)
 
     def _denominator(self) -> float:
         return 1.0
@@ -93,6 +114,14 @@ class GaussianSumQuery(DPQuery):
         clip = positive("l2_norm_clip (sample params)", params)
         arrays, _ = _unpack(records)
         st.check_records(arrays)
+        if self._mechanism == "discrete_gaussian":
+            # The grid depends on the clip actually used; noise uses the stddev of the release.
+            dim = sum(int(s.size) for s in st.sums)
+            p = self._discrete(clip, self._stddev or clip, dim)
+            scales = None if self._scales is None else list(self._scales)
+            flat, norms, _ = _core.clip_round_sum(list(arrays), clip, p.granularity, p.sens_sq, scales)
+            sums = [f.reshape(s.shape) for f, s in zip(flat, st.sums)]
+            return st.added(sums, clip), norms
         sums, norms = clip_sum(list(arrays), clip, scales=self._scales, dtype=np.float64)
         return st.added(list(sums), clip), norms
 
@@ -109,11 +138,33 @@ class GaussianSumQuery(DPQuery):
         scales = self._scales or (1.0,) * len(st.sums)
         if self._scales is not None and len(st.sums) != len(self._scales):
             raise ValueError(f"sample state has {len(st.sums)} arrays but scales has {len(self._scales)} values")
+        clip = st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip
+        if self._mechanism == "discrete_gaussian":
+            return self._discrete_release(st, gs, clip, scales, seed), gs, self._discrete_event(st, gs, clip)
         # The event reports the bound the records were clipped to (see SumState) and the noise
         # actually added; both are validated by SumQueryEvent before any noise is drawn.
-        event = SumQueryEvent(st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip, gs.stddev)
+        event = SumQueryEvent(clip, gs.stddev)
         result = st.noised([gs.stddev * a for a in scales], self._denominator(), seed)
         return result, gs, event
+
+    def _discrete_event(self, st: SumState, gs: GaussianGlobalState, clip: float) -> SumQueryEvent:
+        dim = sum(int(s.size) for s in st.sums)
+        p = self._discrete(clip, gs.stddev or clip, dim)
+        return SumQueryEvent(p.sensitivity, p.stddev if gs.stddev else 0.0, "discrete_gaussian")
+
+    def _discrete_release(
+        self, st: SumState, gs: GaussianGlobalState, clip: float, scales: Sequence[float], seed: Optional[int]
+    ) -> Any:
+        """(Σ on the grid + N_ℤ(0, σ²))·γ·α_j / denominator, float64 (CKS 2020, Theorem 14)."""
+        dim = sum(int(s.size) for s in st.sums)
+        z = gs.stddev / clip
+        p = self._discrete(clip, gs.stddev or clip, dim)
+        flat = [np.ascontiguousarray(s, dtype=np.float64).ravel() for s in st.sums]
+        outs = _core.discrete_release(
+            flat, list(scales), clip, z, dim, p.granularity, True, self._denominator(), seed, False
+        )
+        outs = [o.reshape(s.shape) for o, s in zip(outs, st.sums)]
+        return outs[0] if st.kind is np.ndarray else st.kind(outs)
 
     plan_from_global_state = True
 
@@ -128,6 +179,11 @@ class GaussianSumQuery(DPQuery):
         caller that clips and sums the records itself (see :class:`ReleasePlan`)."""
         gs = _global(global_state)
         check_parts(num_parts)
+        if self._mechanism == "discrete_gaussian":
+            raise NotImplementedError(
+                "mechanism='discrete_gaussian' needs the records themselves (each is rounded onto the grid before "
+                "summing); callers that form the clipped sum on their own, such as dpcore.torch, cannot use it"
+            )
         if self._scales is not None and num_parts != len(self._scales):
             raise ValueError(f"the group has {num_parts} arrays but scales has {len(self._scales)} values")
         scales = self._scales or (1.0,) * num_parts
@@ -149,8 +205,11 @@ class GaussianAverageQuery(GaussianSumQuery):
     the sum, (S, σ̃), where σ̃ = q·n·σ for a per-average stddev σ (§2).
     """
 
-    def __init__(self, l2_norm_clip: float, stddev: float, denominator: float) -> None:
-        super().__init__(l2_norm_clip, stddev)
+    def __init__(
+        self, l2_norm_clip: float, stddev: float, denominator: float, *, mechanism: str = "gaussian",
+        granularity: Optional[float] = None,
+    ) -> None:
+        super().__init__(l2_norm_clip, stddev, mechanism=mechanism, granularity=granularity)
         self._den = positive("denominator", denominator)
 
     def __repr__(self) -> str:
