@@ -33,7 +33,7 @@ import ctypes
 import os
 import sys
 import threading
-from typing import List
+from typing import List, Optional
 
 __all__ = ["limit_blas_spin"]
 
@@ -66,7 +66,7 @@ def _loaded_openblas() -> List[str]:
     return paths
 
 
-def _pthreads_openblas(path: str):
+def _pthreads_openblas(path: str) -> Optional[ctypes.CDLL]:
     """The loaded library at ``path`` when it is a pthreads OpenBLAS with the entry points used."""
     try:
         # RTLD_NOLOAD: a handle to the copy already loaded, never a second load.
