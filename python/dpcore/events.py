@@ -246,6 +246,13 @@ def event_from_dict(d: Dict[str, Any]) -> Event:
     return cls(**kw)
 
 
+def _set_noise_multiplier(event: Any) -> None:
+    z = _real("noise_multiplier", event.noise_multiplier)
+    if not z >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    object.__setattr__(event, "noise_multiplier", z)
+
+
 @dataclass(frozen=True)
 class GaussianEvent(Event):
     """The Gaussian mechanism with noise standard deviation ``noise_multiplier`` × sensitivity."""
@@ -253,10 +260,7 @@ class GaussianEvent(Event):
     noise_multiplier: float
 
     def __post_init__(self) -> None:
-        z = _real("noise_multiplier", self.noise_multiplier)
-        if not z >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {z}")
-        object.__setattr__(self, "noise_multiplier", z)
+        _set_noise_multiplier(self)
 
 
 @dataclass(frozen=True)
@@ -270,10 +274,7 @@ class DiscreteGaussianEvent(Event):
     noise_multiplier: float
 
     def __post_init__(self) -> None:
-        z = _real("noise_multiplier", self.noise_multiplier)
-        if not z >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {z}")
-        object.__setattr__(self, "noise_multiplier", z)
+        _set_noise_multiplier(self)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,17 @@ def _warn_edge(at_edge: bool, order: float, orders: np.ndarray) -> None:
         )
 
 
+def _step_params(sampling_probability: Any, noise_multiplier: Any) -> Tuple[float, float]:
+    """(q, z) of one sampled step, validated: q in [0, 1], z >= 0."""
+    q = _real("sampling_probability", sampling_probability)
+    z = _real("noise_multiplier", noise_multiplier)
+    if not 0 <= q <= 1:
+        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
+    if not z >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    return q, z
+
+
 def rdp_poisson_subsampled_gaussian(sampling_probability: float, noise_multiplier: float, orders: Any) -> np.ndarray:
     """RDP ε(α) of one step of the Poisson-subsampled Gaussian mechanism at each order.
 
@@ -100,12 +111,7 @@ def rdp_poisson_subsampled_gaussian(sampling_probability: float, noise_multiplie
 
     Returns a float64 array shaped like ``orders`` (which must all be > 1).
     """
-    q = _real("sampling_probability", sampling_probability)
-    z = _real("noise_multiplier", noise_multiplier)
-    if not 0 <= q <= 1:
-        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
-    if not z >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    q, z = _step_params(sampling_probability, noise_multiplier)
     a = np.asarray(orders, dtype=np.float64)
     flat = a.ravel()
     if flat.size == 0:
@@ -144,12 +150,7 @@ def rdp_poisson_subsampled_discrete_gaussian(sampling_probability: float, noise_
     bounds it from above because it is convex (Wang, Balle & Kasiviswanathan 2019, Corollary
     10). Rounded up by a relative 10⁻⁹ for the float error of the log-sum.
     """
-    q = _real("sampling_probability", sampling_probability)
-    z = _real("noise_multiplier", noise_multiplier)
-    if not 0 <= q <= 1:
-        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
-    if not z >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
+    q, z = _step_params(sampling_probability, noise_multiplier)
     a = np.asarray(orders, dtype=np.float64)
     flat = a.ravel()
     if np.isnan(flat).any() or not (flat > 1).all():
