@@ -8,16 +8,10 @@
 use crate::clip::{check_clip, clip_round_sum, clip_sum, ClippedSum};
 use crate::discrete::{DiscreteParams, Rounding};
 use crate::error::{DpError, DpResult};
-use crate::noise::{build, noised_part};
+use crate::noise::{build, check_stddev, noised_parts};
+pub use crate::noise::Output;
 use crate::records::{Column, Records};
 use crate::rng::{chunk_rng, stream_id, Domain, Key, Seed};
-
-/// One output array, in the element type of the matching input.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Output {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-}
 
 pub fn check_noise_multiplier(z: f64) -> DpResult<()> {
     if !(z.is_finite() && z >= 0.0) {
@@ -83,20 +77,44 @@ pub fn gaussian_sum_as(
     let ClippedSum { sums, norms } = clip_sum(records, l2_norm_clip)?;
     // The key is drawn only after the records passed every check.
     let key = seed.key()?;
-    let outputs = sums
+    let views: Vec<&[f64]> = sums.iter().map(|s| s.as_slice()).collect();
+    let stddevs: Vec<f64> = records.parts.iter().map(|p| stddev * p.scale).collect();
+    let f32_out: Vec<bool> = records
+        .parts
         .iter()
-        .zip(&records.parts)
-        .enumerate()
-        .map(|(k, (s, p))| {
-            Ok(match p.data {
-                Column::F32(_) if !f64_out => {
-                    Output::F32(noised_part(s, stddev * p.scale, denom, &key, k)?)
-                }
-                _ => Output::F64(noised_part(s, stddev * p.scale, denom, &key, k)?),
-            })
-        })
-        .collect::<DpResult<_>>()?;
+        .map(|p| matches!(p.data, Column::F32(_)) && !f64_out)
+        .collect();
+    let outputs = noised_parts(&views, &stddevs, &vec![denom; views.len()], &f32_out, &key)?;
     Ok((outputs, norms))
+}
+
+/// The Gaussian release of sums already clipped (the last step of McMahan et al. 2018, §1
+/// step 3, for every group of a nested query at once): part k of the output is
+/// (sums[k] + N(0, stddevs[k]²·I)) / denominators[k], float32 where `f32_out[k]`. The noise of
+/// part k comes from its own streams, so parts never share noise. Every parameter is checked
+/// before the key is drawn; on error nothing is returned.
+pub fn gaussian_release(
+    sums: &[&[f64]],
+    stddevs: &[f64],
+    denominators: &[f64],
+    f32_out: &[bool],
+    seed: Seed,
+) -> DpResult<Vec<Output>> {
+    let n = sums.len();
+    if stddevs.len() != n || denominators.len() != n || f32_out.len() != n {
+        return Err(DpError::Shape(format!(
+            "{n} sums but {} stddevs, {} denominators and {} output types",
+            stddevs.len(),
+            denominators.len(),
+            f32_out.len()
+        )));
+    }
+    for (&sd, &d) in stddevs.iter().zip(denominators) {
+        check_stddev(sd)?;
+        check_denominator(Some(d))?;
+    }
+    let key = seed.key()?;
+    noised_parts(sums, stddevs, denominators, f32_out, &key)
 }
 
 /// Values per ChaCha20 stream of discrete noise: smaller than `NOISE_CHUNK` because each value

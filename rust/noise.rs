@@ -144,10 +144,110 @@ pub fn noised_part<T: NoiseElem>(
     })
 }
 
+/// One output array, in the element type the caller asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+enum Slot<'a> {
+    F32(&'a mut [MaybeUninit<f32>]),
+    F64(&'a mut [MaybeUninit<f64>]),
+}
+
+/// `noised_part` for many parts at once, in one parallel region over all their chunks (parts
+/// smaller than a chunk, such as the groups of a nested query, would otherwise each run alone on
+/// one thread). Part k gets σ = `stddevs[k]`, is divided by `denominators[k]` and is float32 when
+/// `f32_out[k]`; its values are the bits `noised_part` gives it. The caller validates the
+/// parameters.
+pub fn noised_parts(
+    sums: &[&[f64]],
+    stddevs: &[f64],
+    denominators: &[f64],
+    f32_out: &[bool],
+    key: &Key,
+) -> DpResult<Vec<Output>> {
+    let mut outs = sums
+        .iter()
+        .zip(f32_out)
+        .map(|(s, &f)| {
+            Ok(if f {
+                Output::F32(try_with_capacity(s.len())?)
+            } else {
+                Output::F64(try_with_capacity(s.len())?)
+            })
+        })
+        .collect::<DpResult<Vec<_>>>()?;
+    let total: usize = sums.iter().map(|s| s.len()).sum();
+    {
+        let mut tasks: Vec<(usize, usize, Slot)> = Vec::new();
+        for (k, (o, s)) in outs.iter_mut().zip(sums).enumerate() {
+            match o {
+                Output::F32(v) => tasks.extend(
+                    v.spare_capacity_mut()[..s.len()]
+                        .chunks_mut(NOISE_CHUNK)
+                        .enumerate()
+                        .map(|(c, o)| (k, c, Slot::F32(o))),
+                ),
+                Output::F64(v) => tasks.extend(
+                    v.spare_capacity_mut()[..s.len()]
+                        .chunks_mut(NOISE_CHUNK)
+                        .enumerate()
+                        .map(|(c, o)| (k, c, Slot::F64(o))),
+                ),
+            }
+        }
+        let run = |(k, c, slot): (usize, usize, Slot)| {
+            let s = &sums[k][c * NOISE_CHUNK..];
+            let (sd, d) = (stddevs[k], denominators[k]);
+            let stream = stream_id(Domain::Noise, k, c);
+            let map = |j: usize, e: f64| (s[j] + e) / d;
+            match slot {
+                Slot::F32(o) => fill_chunk(key, stream, sd, o, map),
+                Slot::F64(o) => fill_chunk(key, stream, sd, o, map),
+            }
+        };
+        if total > NOISE_CHUNK {
+            tasks.into_par_iter().with_max_len(1).for_each(run);
+        } else {
+            tasks.into_iter().for_each(run);
+        }
+    }
+    for (o, s) in outs.iter_mut().zip(sums) {
+        // SAFETY: the tasks covered every chunk of 0..len, and fill_chunk writes every value.
+        match o {
+            Output::F32(v) => unsafe { v.set_len(s.len()) },
+            Output::F64(v) => unsafe { v.set_len(s.len()) },
+        }
+    }
+    Ok(outs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rng::Seed;
+
+    #[test]
+    fn noised_parts_gives_each_part_the_bits_of_noised_part() {
+        let key = Seed::Fixed(9).key().unwrap();
+        let a: Vec<f64> = (0..3 * NOISE_CHUNK + 5).map(|i| i as f64 * 0.25).collect();
+        let b: Vec<f64> = vec![1.5; 7];
+        let c: Vec<f64> = vec![];
+        let outs = noised_parts(
+            &[&a, &b, &c, &a],
+            &[2.0, 0.0, 1.0, 0.5],
+            &[1.0, 3.0, 1.0, 4.0],
+            &[false, true, false, true],
+            &key,
+        )
+        .unwrap();
+        assert_eq!(outs[0], Output::F64(noised_part(&a, 2.0, 1.0, &key, 0).unwrap()));
+        assert_eq!(outs[1], Output::F32(vec![0.5; 7]));
+        assert_eq!(outs[2], Output::F64(vec![]));
+        assert_eq!(outs[3], Output::F32(noised_part(&a, 0.5, 4.0, &key, 3).unwrap()));
+    }
 
     #[test]
     fn moments_of_standard_noise() {

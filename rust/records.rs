@@ -41,6 +41,9 @@ pub struct Part<'a> {
     /// Joint-clipping scale α of this part (McMahan et al. 2018, §2): the record is clipped as
     /// if this part were divided by α, and the part's noise is multiplied by α. 1 for flat clipping.
     pub scale: f64,
+    /// The group this part belongs to (McMahan et al. 2018, §2, "per-layer clipping"): each group
+    /// of a record is clipped on its own, to its own bound. 0 when the whole record is one group.
+    pub group: usize,
 }
 
 impl<'a> Part<'a> {
@@ -49,10 +52,14 @@ impl<'a> Part<'a> {
             data,
             width,
             scale: 1.0,
+            group: 0,
         }
     }
     pub fn with_scale(self, scale: f64) -> Self {
         Part { scale, ..self }
+    }
+    pub fn with_group(self, group: usize) -> Self {
+        Part { group, ..self }
     }
 }
 
@@ -71,7 +78,17 @@ impl<'a> Records<'a> {
                 "at least one array of records is required".into(),
             ));
         }
+        let mut group = 0;
         for (k, p) in parts.iter().enumerate() {
+            // Groups are runs of consecutive parts numbered 0, 1, 2, …: each is one range of
+            // column blocks, so a group's norm is a sum over consecutive blocks.
+            if p.group != group && p.group != group + 1 || (k == 0 && p.group != 0) {
+                return Err(DpError::Shape(format!(
+                    "array {k}: group {} out of order (groups must be numbered 0, 1, 2, … in array order)",
+                    p.group
+                )));
+            }
+            group = p.group;
             if !(p.scale.is_finite() && p.scale > 0.0) {
                 return Err(DpError::param(
                     "scales",
@@ -98,6 +115,16 @@ impl<'a> Records<'a> {
     /// Total values per record over all parts (D in the paper).
     pub fn dim(&self) -> usize {
         self.parts.iter().map(|p| p.width).sum()
+    }
+
+    /// Number of groups, each clipped on its own.
+    pub fn groups(&self) -> usize {
+        self.parts.last().map_or(0, |p| p.group + 1)
+    }
+
+    /// The parts of group `g`.
+    pub fn group_parts(&self, g: usize) -> impl Iterator<Item = &Part<'a>> + '_ {
+        self.parts.iter().filter(move |p| p.group == g)
     }
 
     /// Bytes one record occupies over all parts.

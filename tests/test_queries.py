@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpcore.queries.base import derive_seed
 from dpcore.queries import (
     ComposedQueryEvent,
     CountQuery,
@@ -24,6 +25,7 @@ from dpcore.queries import (
     QuantileAdaptiveClipQuery,
     ReleasePlan,
     SumQueryEvent,
+    SumState,
     dimension_weighted_clip_norms,
     dimensionality_adjusted_noise,
     effective_noise_multiplier,
@@ -294,6 +296,110 @@ def test_nested_structure_errors():
         NestedQuery({})
     with pytest.raises(TypeError, match="from this NestedQuery"):
         q.get_noised_result(s.leaves[0], gs)
+
+
+def _leaf_alone(q, records, template, gs, seed):
+    params = q.derive_sample_params(gs)
+    st = q.accumulate_records(params, q.initial_sample_state(template), records)
+    return st, q.get_noised_result(st, gs, seed=seed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(0, 9),
+    widths=st.lists(st.integers(0, 5000), min_size=1, max_size=6),
+    f64=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_nested_one_call_equals_each_leaf_alone(b, widths, f64, seed):
+    """The fused clip (one core call for all Gaussian leaves) gives each leaf's own bits."""
+    rng = np.random.default_rng(seed)
+    dt = np.float64 if f64 else np.float32
+    kinds = [
+        lambda: GaussianSumQuery(float(rng.uniform(0.1, 30)), 0.0),
+        lambda: GaussianAverageQuery(float(rng.uniform(0.1, 30)), 0.0, 7.0),
+        lambda: JointClipQuery([0.5, 40.0], float(rng.uniform(0.1, 3)), 0.0),
+        lambda: CountQuery(0.0),
+        lambda: QuantileAdaptiveClipQuery(float(rng.uniform(0.1, 30)), 0.0, 0.5, 0.2, 10.0, 50.0),
+    ]
+    leaves, records, template = [], [], []
+    for k, w in enumerate(widths):
+        q = kinds[k % len(kinds)]()
+        if isinstance(q, JointClipQuery):
+            r = [(rng.standard_normal((b, w)) * 10).astype(dt), (rng.standard_normal((b, 2, 3)) * 50).astype(dt)]
+            t = [x[0] if b else np.zeros(x.shape[1:], dt) for x in r]
+        else:
+            r = (rng.standard_normal((b, w)) * rng.uniform(0.01, 100)).astype(dt)
+            t = np.zeros(w, dt)
+        leaves.append(q)
+        records.append(r)
+        template.append(t)
+    nest = NestedQuery(leaves)
+    gs = nest.initial_global_state()
+    params = nest.derive_sample_params(gs)
+    state = nest.accumulate_records(params, nest.initial_sample_state(template), records)
+    out, new_gs, ev = nest.get_noised_result(state, gs, seed=seed)
+    alone_events = []
+    for k, q in enumerate(leaves):
+        # The adaptive leaf's count noise comes from the leaf's own seed, as NestedQuery splits it.
+        leaf_seed = derive_seed(seed, 1_000_003, k)
+        st_k, (out_k, gs_k, ev_k) = _leaf_alone(q, records[k], template[k], gs.leaves[k], leaf_seed)
+        fused_k = state.leaves[k]
+        assert all(np.array_equal(x, y) for x, y in zip(_sums(fused_k).sums, _sums(st_k).sums))
+        assert _sums(fused_k).l2_norm_clip == _sums(st_k).l2_norm_clip
+        assert getattr(fused_k, "centred_unclipped", None) == getattr(st_k, "centred_unclipped", None)
+        for x, y in zip(out[k] if isinstance(out[k], list) else [out[k]], out_k if isinstance(out_k, list) else [out_k]):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(x, y)
+        assert new_gs.leaves[k] == gs_k
+        alone_events.append(ev_k)
+    assert ev == ComposedQueryEvent(tuple(alone_events))
+
+
+def _sums(state):
+    return state if isinstance(state, SumState) else state.sums
+
+
+def test_nested_fused_and_unfused_leaves_together():
+    """Leaves that cannot join the one call (discrete, no privacy, microbatches) run on their
+    own beside the fused ones, in their places in the result and the event."""
+    rng = np.random.default_rng(2)
+    b, d = 8, 40
+    x = rng.standard_normal((b, d))
+    leaves = {
+        "g": GaussianSumQuery(1.0, 0.0),
+        "plain": NoPrivacyQuery(),
+        "disc": GaussianSumQuery(1.0, 1.0, mechanism="discrete_gaussian"),
+        "micro": MicrobatchQuery(GaussianSumQuery(1.0, 0.0), 2),
+        "h": GaussianSumQuery(0.5, 0.0),
+    }
+    q = NestedQuery(leaves)
+    records = {k: x for k in leaves}
+    out, _, ev = run(q, records, {k: x[0] for k in leaves}, seed=3)
+    np.testing.assert_allclose(out["g"], np_clip_sum([x], 1.0)[0][0], rtol=1e-12)
+    np.testing.assert_allclose(out["h"], np_clip_sum([x], 0.5)[0][0], rtol=1e-12)
+    np.testing.assert_allclose(out["plain"], x.sum(axis=0), rtol=1e-12)
+    kinds = [type(e).__name__ for e in ev.events]
+    assert kinds == ["SumQueryEvent", "NonPrivateQueryEvent", "SumQueryEvent", "SumQueryEvent", "SumQueryEvent"]
+    assert [e.mechanism for e in ev.events if isinstance(e, SumQueryEvent)] == ["gaussian", "discrete_gaussian", "gaussian", "gaussian"]
+    assert not ev.is_private
+
+
+def test_nested_one_call_refuses_bad_batches_and_keeps_states():
+    q = NestedQuery({"a": GaussianSumQuery(1.0, 1.0), "b": GaussianSumQuery(2.0, 1.0)})
+    gs = q.initial_global_state()
+    p = q.derive_sample_params(gs)
+    s = q.initial_sample_state({"a": np.zeros(3), "b": np.zeros(4)})
+    with pytest.raises(ValueError, match="records at b: 2 records, but 3 at a"):
+        q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": np.ones((2, 4))})
+    bad = np.ones((3, 4))
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="record 1"):
+        q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": bad})
+    assert all(not np.any(x.sums[0]) for x in s.leaves)
+    s2 = q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": np.ones((3, 4))})
+    np.testing.assert_allclose(s2.leaves[0].sums[0], np.full(3, math.sqrt(3)), rtol=1e-12)
+    np.testing.assert_allclose(s2.leaves[1].sums[0], np.full(4, 3.0), rtol=1e-12)
 
 
 # ----------------------------------------------------------------------------- adaptive clipping

@@ -8,6 +8,8 @@ __version__: str
 __all__ = [
     "gaussian_sum_flat",
     "record_norms",
+    "clip_sum_groups",
+    "gaussian_release",
     "discrete_params",
     "discrete_gaussian_sum_flat",
     "clip_round_sum",
@@ -45,6 +47,24 @@ def gaussian_sum_flat(
     f64_out: bool = False,
 ) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]:
     """Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms."""
+def clip_sum_groups(
+    arrays: List[np.ndarray],
+    groups: List[int],
+    clips: List[float],
+    scales: Optional[List[float]] = None,
+) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]:
+    """Clipped sums of several groups in one pass over the records (no noise): array k belongs to
+    group `groups[k]` (numbered 0, 1, … in array order) and group g is clipped to `clips[g]`.
+    Returns one flat float64 sum per array and the norms, group-major (G·B values)."""
+def gaussian_release(
+    sums: List[npt.NDArray[np.float64]],
+    stddevs: List[float],
+    denominators: List[float],
+    f32_out: List[bool],
+    seed: Optional[int] = None,
+) -> List[np.ndarray]:
+    """The Gaussian release of flat float64 sums: (sums[k] + N(0, stddevs[k]²)) / denominators[k],
+    float32 where `f32_out[k]`, all parts in one parallel call."""
 def discrete_params(
     l2_norm_clip: float, noise_multiplier: float, dim: int, granularity: Optional[float] = None, per_record: bool = True
 ) -> Tuple[float, int, int, int, float, float]:

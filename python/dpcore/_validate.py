@@ -12,6 +12,8 @@ INT_LIMIT = 1 << 63
 
 def real(name: str, v: Any) -> float:
     """``v`` as a float; TypeError unless it is a real number (bool is not)."""
+    if type(v) is float:  # the common case, without the slower ABC check
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
     return float(v)

@@ -80,11 +80,19 @@ fn records<'a>(
     held: &'a [(Held<'_>, usize)],
     scales: Option<&[f64]>,
 ) -> PyResult<Records<'a>> {
-    if let Some(s) = scales {
-        if s.len() != held.len() {
+    grouped_records(batch, held, scales, None)
+}
+
+fn grouped_records<'a>(
+    batch: usize,
+    held: &'a [(Held<'_>, usize)],
+    scales: Option<&[f64]>,
+    groups: Option<&[usize]>,
+) -> PyResult<Records<'a>> {
+    for (what, n) in [("scales", scales.map(|s| s.len())), ("groups", groups.map(|g| g.len()))] {
+        if let Some(n) = n.filter(|&n| n != held.len()) {
             return Err(PyValueError::new_err(format!(
-                "scales: {} values for {} arrays",
-                s.len(),
+                "{what}: {n} values for {} arrays",
                 held.len()
             )));
         }
@@ -98,7 +106,9 @@ fn records<'a>(
                 Held::F32(x) => Column::F32(x.as_slice().map_err(not_contig)?),
                 Held::F64(x) => Column::F64(x.as_slice().map_err(not_contig)?),
             };
-            Ok(Part::new(data, *w).with_scale(scales.map_or(1.0, |s| s[k])))
+            Ok(Part::new(data, *w)
+                .with_scale(scales.map_or(1.0, |s| s[k]))
+                .with_group(groups.map_or(0, |g| g[k])))
         })
         .collect::<PyResult<Vec<_>>>()?;
     Records::new(batch, parts).map_err(to_py)
@@ -143,6 +153,54 @@ fn gaussian_sum_flat(
         outputs(py, outs),
         PyArray1::from_vec(py, norms).into_any().unbind(),
     ))
+}
+
+/// Clipped sums of several groups in one pass over the records (no noise): array k belongs to
+/// group `groups[k]` (numbered 0, 1, … in array order) and group g is clipped to `clips[g]`.
+/// Returns one flat float64 sum per array and the norms, group-major (G·B values).
+#[pyfunction]
+#[pyo3(signature = (arrays, groups, clips, scales=None))]
+fn clip_sum_groups(
+    py: Python<'_>,
+    arrays: Vec<Bound<'_, PyAny>>,
+    groups: Vec<usize>,
+    clips: Vec<f64>,
+    scales: Option<Vec<f64>>,
+) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>)> {
+    let (batch, held) = hold(&arrays)?;
+    let rec = grouped_records(batch, &held, scales.as_deref(), Some(&groups))?;
+    let out = detached(py, || clip::clip_sum_groups(&rec, &clips))?;
+    Ok((
+        out.sums
+            .into_iter()
+            .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
+            .collect(),
+        PyArray1::from_vec(py, out.norms).into_any().unbind(),
+    ))
+}
+
+/// The Gaussian release of flat float64 sums: (sums[k] + N(0, stddevs[k]²)) / denominators[k],
+/// float32 where `f32_out[k]`, all parts in one parallel call.
+#[pyfunction]
+#[pyo3(signature = (sums, stddevs, denominators, f32_out, seed=None))]
+fn gaussian_release(
+    py: Python<'_>,
+    sums: Vec<PyReadonlyArray1<'_, f64>>,
+    stddevs: Vec<f64>,
+    denominators: Vec<f64>,
+    f32_out: Vec<bool>,
+    seed: Option<u64>,
+) -> PyResult<Vec<Py<PyAny>>> {
+    let views = sums
+        .iter()
+        .map(|a| a.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| PyValueError::new_err("sums must be C-contiguous float64 arrays"))?;
+    let seed = Seed::from_option(seed);
+    let outs = detached(py, || {
+        crate::mechanism::gaussian_release(&views, &stddevs, &denominators, &f32_out, seed)
+    })?;
+    Ok(outputs(py, outs))
 }
 
 type ParamsTuple = (f64, u128, u64, u64, f64, f64);
@@ -398,6 +456,8 @@ fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyRes
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gaussian_sum_flat, m)?)?;
     m.add_function(wrap_pyfunction!(record_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(clip_sum_groups, m)?)?;
+    m.add_function(wrap_pyfunction!(gaussian_release, m)?)?;
     m.add_function(wrap_pyfunction!(discrete_params, m)?)?;
     m.add_function(wrap_pyfunction!(discrete_gaussian_sum_flat, m)?)?;
     m.add_function(wrap_pyfunction!(clip_round_sum, m)?)?;

@@ -15,6 +15,11 @@
 //! thread may take. Every sum is taken in a fixed order either way (the norm's per-block partial
 //! sums in block order, each coordinate's sum in record order), so the result is the same bits
 //! whatever the path or the number of threads.
+//!
+//! Groups (§2, per-layer clipping; the leaves of a nested query): the parts of a record may be
+//! split into groups, each clipped on its own to its own bound, still in the one pass. A group is
+//! a run of consecutive parts, hence of consecutive column blocks; its norm adds its blocks'
+//! partial sums in block order, so a group gives the same bits as a call on that group alone.
 
 use crate::error::{DpError, DpResult};
 use crate::kernels;
@@ -52,7 +57,9 @@ pub fn check_clip(l2_norm_clip: f64) -> DpResult<()> {
     Ok(())
 }
 
-/// The clipped sum Σ_i min(1, C/‖x_i‖)·x_i per part, in f64, and the unclipped norms ‖x_i‖.
+/// The clipped sum Σ_i min(1, C/‖x_i‖)·x_i per part, in f64, and the unclipped norms ‖x_i‖,
+/// group-major (the norm of group g of record r at g·batch + r; just the records' norms for
+/// one group).
 #[derive(Debug, Clone)]
 pub struct ClippedSum {
     pub sums: Vec<Vec<f64>>,
@@ -61,17 +68,17 @@ pub struct ClippedSum {
 
 /// Relative slack subtracted from every clip factor so that the clipped record's norm stays
 /// ≤ C after all rounding: the f64 norm's summation error (at most about D·2⁻⁵³), the
-/// divisions and products (a few 2⁻⁵³), and the final rounding to the output type.
-fn clip_margin(records: &Records) -> f64 {
+/// divisions and products (a few 2⁻⁵³), and the final rounding to the output type. Per group.
+fn clip_margin(records: &Records, g: usize) -> f64 {
     let out_roundoff = records
-        .parts
-        .iter()
+        .group_parts(g)
         .map(|p| match p.data {
             Column::F32(_) => f32::UNIT_ROUNDOFF,
             Column::F64(_) => f64::UNIT_ROUNDOFF,
         })
         .fold(0.0, f64::max);
-    2.0 * ((records.dim() as f64 + 32.0) * f64::UNIT_ROUNDOFF + out_roundoff)
+    let dim: usize = records.group_parts(g).map(|p| p.width).sum();
+    2.0 * ((dim as f64 + 32.0) * f64::UNIT_ROUNDOFF + out_roundoff)
 }
 
 /// min(1, C / ‖x‖), shrunk by `margin` so that rounding can never push the clipped norm past C.
@@ -97,15 +104,15 @@ fn block_sumsq(records: &Records, r: usize, b: &Block) -> f64 {
     }
 }
 
-/// Re-examines record r whose sum of squares is non-finite or tiny: reports a NaN/∞, or
-/// recomputes the norm with scaling when the squares overflowed or underflowed.
-fn careful_norm(records: &Records, r: usize) -> DpResult<f64> {
+/// Re-examines group g of record r, whose sum of squares is non-finite or tiny: reports a NaN/∞,
+/// or recomputes the norm with scaling when the squares overflowed or underflowed.
+fn careful_norm(records: &Records, r: usize, g: usize) -> DpResult<f64> {
     fn part_row<T: Elem>(x: &[T], w: usize, r: usize) -> &[T] {
         &x[r * w..(r + 1) * w]
     }
     let mut finite = true;
     let mut m = 0.0f64;
-    for p in &records.parts {
+    for p in records.group_parts(g) {
         let (ok, mx) = match p.data {
             Column::F32(x) => {
                 let s = part_row(x, p.width, r);
@@ -128,7 +135,7 @@ fn careful_norm(records: &Records, r: usize) -> DpResult<f64> {
         return Ok(0.0);
     }
     let mut s = 0.0;
-    for p in &records.parts {
+    for p in records.group_parts(g) {
         s += match p.data {
             Column::F32(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m * p.scale),
             Column::F64(x) => kernels::sumsq_scaled(part_row(x, p.width, r), m * p.scale),
@@ -145,12 +152,13 @@ fn block_weights(records: &Records, blocks: &[Block]) -> Vec<f64> {
         .collect()
 }
 
-/// A record's norm from its per-block sums of squares, added in block order (the one summation
-/// order every path uses, so all paths give the same norms). Non-finite or tiny sums are
-/// re-examined.
+/// The norm of group g of record r from the per-block sums of squares of the group's blocks,
+/// added in block order (the one summation order every path uses, so all paths give the same
+/// norms). Non-finite or tiny sums are re-examined.
 fn norm_from_blocks(
     records: &Records,
     r: usize,
+    g: usize,
     sums: impl Iterator<Item = f64>,
     weights: &[f64],
 ) -> DpResult<f64> {
@@ -158,22 +166,23 @@ fn norm_from_blocks(
     if s.is_finite() && s >= SUMSQ_TINY {
         Ok(s.sqrt())
     } else {
-        careful_norm(records, r)
+        careful_norm(records, r, g)
     }
 }
 
-/// The L2 norm of every record (joint over its parts, each part divided by its scale), in f64.
+/// The L2 norm of every record (joint over its parts, each part divided by its scale), in f64;
+/// group-major with several groups, as in [`ClippedSum`].
 pub fn record_norms(records: &Records) -> DpResult<Vec<f64>> {
-    let blocks = column_blocks(records);
+    let layout = Layout::new(records);
     let (step, par) = (tile_rows(records), use_parallel(records));
-    let mut norms = Vec::with_capacity(records.batch);
+    let mut norms = GroupNorms::new(records);
     let mut r0 = 0;
     while r0 < records.batch {
         let r1 = (r0 + step).min(records.batch);
-        norms.extend(tile_norms(records, &blocks, r0, r1, par)?);
+        norms.extend(&tile_norms(records, &layout, r0, r1, par)?, r1 - r0);
         r0 = r1;
     }
-    Ok(norms)
+    Ok(norms.into_flat())
 }
 
 /// Σ_j x_ij² of every record of every part separately, in f64 and unscaled: the factors of a
@@ -203,22 +212,39 @@ pub fn part_sumsq(records: &Records, parallel: bool) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// Clips every record to L2 norm `l2_norm_clip` and sums them, in one pass over the records.
-/// On error (a non-finite record) nothing is returned.
+/// Clips every record to L2 norm `l2_norm_clip` and sums them, in one pass over the records
+/// (each group to that bound on its own when there are several). On error (a non-finite
+/// record) nothing is returned.
 pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
-    check_clip(l2_norm_clip)?;
-    let blocks = column_blocks(records);
-    let margin = clip_margin(records);
+    clip_sum_groups(records, &vec![l2_norm_clip; records.groups()])
+}
+
+/// Clips group g of every record to L2 norm `clips[g]` and sums the clipped records, all groups
+/// in one pass over the records and one parallel region (McMahan et al. 2018, §2: separate
+/// clipping parameters per group). Group g's sums and norms are the bits `clip_sum` gives for
+/// that group alone. On error (a bound out of range, a non-finite record) nothing is returned.
+pub fn clip_sum_groups(records: &Records, clips: &[f64]) -> DpResult<ClippedSum> {
+    if clips.len() != records.groups() {
+        return Err(DpError::param(
+            "l2_norm_clip",
+            format!("{} bounds for {} groups", clips.len(), records.groups()),
+        ));
+    }
+    for &c in clips {
+        check_clip(c)?;
+    }
+    let layout = Layout::new(records);
+    let margins: Vec<f64> = (0..clips.len()).map(|g| clip_margin(records, g)).collect();
     let threads = rayon::current_num_threads();
-    if use_parallel(records) && threads > 1 && blocks.len() >= 2 * threads {
+    if use_parallel(records) && threads > 1 && layout.blocks.len() >= 2 * threads {
         // Only one owned-columns call runs its barrier at a time; a caller that finds it busy
         // takes the tiled path instead of waiting (waiting could deadlock a caller that is
         // itself a pool thread the running call needs).
         if let Ok(_only_one) = OWNED_PATH.try_lock() {
-            return clip_sum_owned(records, &blocks, l2_norm_clip, margin, threads);
+            return clip_sum_owned(records, &layout, clips, &margins, threads);
         }
     }
-    clip_sum_tiled(records, &blocks, l2_norm_clip, margin)
+    clip_sum_tiled(records, &layout, clips, &margins)
 }
 
 fn zero_sums(records: &Records) -> DpResult<Vec<Vec<f64>>> {
@@ -431,16 +457,16 @@ mod tests {
             .collect();
         parts.push(Part::new(Column::F64(&f64s), 7_000).with_scale(30.0));
         let rec = Records::new(batch, parts).unwrap();
-        let blocks = column_blocks(&rec);
-        let margin = clip_margin(&rec);
-        let tiled = clip_sum_tiled(&rec, &blocks, 40.0, margin).unwrap();
+        let layout = Layout::new(&rec);
+        let margin = [clip_margin(&rec, 0)];
+        let tiled = clip_sum_tiled(&rec, &layout, &[40.0], &margin).unwrap();
         for threads in [1usize, 2, 3, 7] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .unwrap();
             let owned = pool
-                .install(|| clip_sum_owned(&rec, &blocks, 40.0, margin, threads))
+                .install(|| clip_sum_owned(&rec, &layout, &[40.0], &margin, threads))
                 .unwrap();
             assert_eq!(owned.sums, tiled.sums, "{threads} threads");
             assert_eq!(owned.norms, tiled.norms, "{threads} threads");
@@ -453,16 +479,82 @@ mod tests {
             Part::new(Column::F32(&bad), 20_000),
         ];
         let rec = Records::new(batch, parts).unwrap();
-        let blocks = column_blocks(&rec);
+        let layout = Layout::new(&rec);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(3)
             .build()
             .unwrap();
         assert_eq!(
-            pool.install(|| clip_sum_owned(&rec, &blocks, 1.0, 0.0, 3))
+            pool.install(|| clip_sum_owned(&rec, &layout, &[1.0], &[0.0], 3))
                 .unwrap_err(),
             DpError::NonFiniteRecord { index: 17 }
         );
+    }
+
+    /// Groups clipped in one call give, group by group, the bits of a call on that group alone,
+    /// on both paths and at any thread count (the nested query's one call rests on this).
+    #[test]
+    fn groups_match_separate_calls_bit_for_bit() {
+        let batch = 19;
+        let widths = [7_000usize, 3, 0, 12_000, 5_000, 9];
+        let groups = [0usize, 0, 1, 2, 2, 3];
+        let clips = [2.0, 0.5, 30.0, 1e-3];
+        let data: Vec<Vec<f32>> = widths
+            .iter()
+            .enumerate()
+            .map(|(k, &w)| pseudo(batch * w, k as u64 + 11))
+            .collect();
+        let parts: Vec<Part> = widths
+            .iter()
+            .zip(&data)
+            .zip(groups)
+            .map(|((&w, d), g)| {
+                Part::new(Column::F32(d), w)
+                    .with_group(g)
+                    .with_scale(1.0 + g as f64)
+            })
+            .collect();
+        let rec = Records::new(batch, parts.clone()).unwrap();
+        assert_eq!(rec.groups(), 4);
+        let alone: Vec<ClippedSum> = (0..4)
+            .map(|g| {
+                let own = parts
+                    .iter()
+                    .filter(|p| p.group == g)
+                    .map(|p| p.with_group(0))
+                    .collect();
+                clip_sum(&Records::new(batch, own).unwrap(), clips[g]).unwrap()
+            })
+            .collect();
+        let check = |out: &ClippedSum, what: &str| {
+            let sums: Vec<Vec<f64>> = alone.iter().flat_map(|a| a.sums.clone()).collect();
+            let norms: Vec<f64> = alone.iter().flat_map(|a| a.norms.clone()).collect();
+            assert_eq!(out.sums, sums, "{what}");
+            assert_eq!(out.norms, norms, "{what}");
+        };
+        let layout = Layout::new(&rec);
+        let margins: Vec<f64> = (0..4).map(|g| clip_margin(&rec, g)).collect();
+        check(&clip_sum_groups(&rec, &clips).unwrap(), "dispatch");
+        check(&clip_sum_tiled(&rec, &layout, &clips, &margins).unwrap(), "tiled");
+        for threads in [1usize, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let owned = pool
+                .install(|| clip_sum_owned(&rec, &layout, &clips, &margins, threads))
+                .unwrap();
+            check(&owned, &format!("owned, {threads} threads"));
+        }
+        let norms = record_norms(&rec).unwrap();
+        assert_eq!(norms, clip_sum_groups(&rec, &clips).unwrap().norms);
+        assert!(clip_sum_groups(&rec, &clips[..3]).is_err());
+        assert!(clip_sum_groups(&rec, &[1.0, 1.0, f64::NAN, 1.0]).is_err());
+        // Groups must be numbered in order.
+        let shuffled = vec![parts[0].with_group(1), parts[1].with_group(0)];
+        assert!(Records::new(batch, shuffled).is_err());
+        let skipped = vec![parts[0], parts[1].with_group(2)];
+        assert!(Records::new(batch, skipped).is_err());
     }
 
     #[test]

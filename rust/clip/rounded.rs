@@ -97,10 +97,16 @@ pub fn clip_round_sum(
         .iter()
         .map(|p| 1.0 / (granularity * p.scale))
         .collect();
-    let blocks = column_blocks(records);
+    if records.groups() != 1 {
+        return Err(DpError::Shape(
+            "the rounded clipped sum takes records of one group".into(),
+        ));
+    }
+    let layout = Layout::new(records);
+    let blocks = &layout.blocks;
     let nb = blocks.len();
     let block_inv: Vec<f64> = blocks.iter().map(|b| inv[b.part]).collect();
-    let margin = clip_margin(records);
+    let margin = clip_margin(records, 0);
     let (step, par) = (tile_rows(records), use_parallel(records));
     // ŝ ≤ s·(1 + (n+1)·2⁻⁵³) for a sum of n non-negative terms each rounded once; n ≤ d + nb.
     let err = 2.0 * (records.dim() as f64 + nb as f64 + 8.0) * f64::EPSILON;
@@ -114,7 +120,7 @@ pub fn clip_round_sum(
         while r0 < records.batch {
             let r1 = (r0 + step).min(records.batch);
             let rows = r1 - r0;
-            let tile = tile_norms(records, &blocks, r0, r1, par)?;
+            let tile = tile_norms(records, &layout, r0, r1, par)?;
             let factors: Vec<f64> = tile
                 .iter()
                 .map(|&n| clip_factor(n, l2_norm_clip, margin))

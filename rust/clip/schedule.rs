@@ -10,6 +10,7 @@ use std::sync::Mutex;
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Block {
     pub(super) part: usize,
+    pub(super) group: usize,
     pub(super) start: usize,
     pub(super) len: usize,
 }
@@ -22,6 +23,7 @@ pub(super) fn column_blocks(records: &Records) -> Vec<Block> {
             let len = BLOCK.min(p.width - s);
             out.push(Block {
                 part: k,
+                group: p.group,
                 start: s,
                 len,
             });
@@ -31,16 +33,87 @@ pub(super) fn column_blocks(records: &Records) -> Vec<Block> {
     out
 }
 
-/// Phase 1 for rows [r0, r1): their L2 norms, or the first record that is not finite.
+/// The column blocks of a call, each group's range of them, and their norm weights 1/α².
+pub(super) struct Layout {
+    pub(super) blocks: Vec<Block>,
+    pub(super) groups: Vec<std::ops::Range<usize>>,
+    pub(super) weights: Vec<f64>,
+}
+
+impl Layout {
+    pub(super) fn new(records: &Records) -> Self {
+        let blocks = column_blocks(records);
+        // Groups are consecutive parts, so their blocks are consecutive; a group of empty parts
+        // has none (its norm is 0).
+        let groups = (0..records.groups())
+            .map(|g| {
+                let start = blocks.iter().take_while(|b| b.group < g).count();
+                start..start + blocks[start..].iter().take_while(|b| b.group == g).count()
+            })
+            .collect();
+        let weights = block_weights(records, &blocks);
+        Layout {
+            blocks,
+            groups,
+            weights,
+        }
+    }
+
+    /// The norm of every group of record r, from the row's per-block partial sums
+    /// (`partial(k)` for block k), handed to `put(g, norm)`.
+    pub(super) fn row_norms(
+        &self,
+        records: &Records,
+        r: usize,
+        partial: impl Fn(usize) -> f64,
+        mut put: impl FnMut(usize, f64),
+    ) -> DpResult<()> {
+        for (g, range) in self.groups.iter().enumerate() {
+            let sums = range.clone().map(&partial);
+            put(g, norm_from_blocks(records, r, g, sums, &self.weights[range.clone()])?);
+        }
+        Ok(())
+    }
+}
+
+/// The norms of every record, one vector per group, filled tile by tile.
+pub(super) struct GroupNorms(Vec<Vec<f64>>);
+
+impl GroupNorms {
+    pub(super) fn new(records: &Records) -> Self {
+        GroupNorms(
+            (0..records.groups())
+                .map(|_| Vec::with_capacity(records.batch))
+                .collect(),
+        )
+    }
+    /// Appends a tile's group-major norms (`rows` per group).
+    pub(super) fn extend(&mut self, tile: &[f64], rows: usize) {
+        for (g, v) in self.0.iter_mut().enumerate() {
+            v.extend_from_slice(&tile[g * rows..(g + 1) * rows]);
+        }
+    }
+    pub(super) fn push(&mut self, g: usize, n: f64) {
+        self.0[g].push(n);
+    }
+    pub(super) fn into_flat(self) -> Vec<f64> {
+        self.0.concat()
+    }
+}
+
+/// Phase 1 for rows [r0, r1): the L2 norm of every group of every row, group-major
+/// (norm[g·(r1 − r0) + r − r0]), or the first record that is not finite.
 pub(super) fn tile_norms(
     records: &Records,
-    blocks: &[Block],
+    layout: &Layout,
     r0: usize,
     r1: usize,
     par: bool,
 ) -> DpResult<Vec<f64>> {
+    let blocks = &layout.blocks;
     let nb = blocks.len();
-    let mut partial = vec![0.0f64; (r1 - r0) * nb];
+    let rows = r1 - r0;
+    let mut partial = vec![0.0f64; rows * nb];
     let fill = |(i, out): (usize, &mut f64)| {
         let (r, b) = (r0 + i / nb.max(1), i % nb.max(1));
         *out = block_sumsq(records, r, &blocks[b]);
@@ -54,16 +127,20 @@ pub(super) fn tile_norms(
     } else {
         partial.iter_mut().enumerate().for_each(fill);
     }
-    let weights = block_weights(records, blocks);
-    (r0..r1)
-        .map(|r| {
-            norm_from_blocks(
-                records,
-                r,
-                partial[(r - r0) * nb..(r - r0 + 1) * nb].iter().copied(),
-                &weights,
-            )
-        })
+    let mut norms = vec![0.0f64; rows * layout.groups.len()];
+    for r in r0..r1 {
+        let row = &partial[(r - r0) * nb..(r - r0 + 1) * nb];
+        layout.row_norms(records, r, |k| row[k], |g, n| norms[g * rows + r - r0] = n)?;
+    }
+    Ok(norms)
+}
+
+/// Clip factors of a tile's group-major norms, each group to its bound.
+pub(super) fn tile_factors(norms: &[f64], rows: usize, clips: &[f64], margins: &[f64]) -> Vec<f64> {
+    norms
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| clip_factor(n, clips[i / rows], margins[i / rows]))
         .collect()
 }
 
@@ -93,20 +170,23 @@ pub(super) fn add_rows<T: Elem>(
     }
 }
 
-/// Phase 2 for rows [r0, r0 + factors.len()): sums += Σ_r f_r·x_r, block by block.
+/// Phase 2 for rows [r0, r0 + rows): sums += Σ_r f_r·x_r, block by block, each block with its
+/// group's factors (group-major, `rows` per group).
 pub(super) fn tile_accumulate(
     records: &Records,
     blocks: &[Block],
     acc: &mut [&mut [f64]],
     r0: usize,
+    rows: usize,
     factors: &[f64],
     par: bool,
 ) {
     let work = |(a, b): (&mut &mut [f64], &Block)| {
         let p = &records.parts[b.part];
+        let f = &factors[b.group * rows..(b.group + 1) * rows];
         match p.data {
-            Column::F32(x) => add_rows(a, x, p.width, b, r0, factors),
-            Column::F64(x) => add_rows(a, x, p.width, b, r0, factors),
+            Column::F32(x) => add_rows(a, x, p.width, b, r0, f),
+            Column::F64(x) => add_rows(a, x, p.width, b, r0, f),
         }
     };
     if par {
@@ -126,30 +206,30 @@ pub(super) fn use_parallel(records: &Records) -> bool {
 
 pub(super) fn clip_sum_tiled(
     records: &Records,
-    blocks: &[Block],
-    l2_norm_clip: f64,
-    margin: f64,
+    layout: &Layout,
+    clips: &[f64],
+    margins: &[f64],
 ) -> DpResult<ClippedSum> {
     let (step, par) = (tile_rows(records), use_parallel(records));
     let mut sums = zero_sums(records)?;
-    let mut norms = Vec::with_capacity(records.batch);
+    let mut norms = GroupNorms::new(records);
     {
         let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
-        debug_assert_eq!(acc.len(), blocks.len());
+        debug_assert_eq!(acc.len(), layout.blocks.len());
         let mut r0 = 0;
         while r0 < records.batch {
             let r1 = (r0 + step).min(records.batch);
-            let tile = tile_norms(records, blocks, r0, r1, par)?;
-            let factors: Vec<f64> = tile
-                .iter()
-                .map(|&n| clip_factor(n, l2_norm_clip, margin))
-                .collect();
-            tile_accumulate(records, blocks, &mut acc, r0, &factors, par);
-            norms.extend(tile);
+            let tile = tile_norms(records, layout, r0, r1, par)?;
+            let factors = tile_factors(&tile, r1 - r0, clips, margins);
+            tile_accumulate(records, &layout.blocks, &mut acc, r0, r1 - r0, &factors, par);
+            norms.extend(&tile, r1 - r0);
             r0 = r1;
         }
     }
-    Ok(ClippedSum { sums, norms })
+    Ok(ClippedSum {
+        sums,
+        norms: norms.into_flat(),
+    })
 }
 
 pub(super) static OWNED_PATH: Mutex<()> = Mutex::new(());
@@ -204,24 +284,25 @@ pub(super) fn owned_runs<'s>(
 /// one still reads the last.
 pub(super) fn clip_sum_owned(
     records: &Records,
-    blocks: &[Block],
-    l2_norm_clip: f64,
-    margin: f64,
+    layout: &Layout,
+    clips: &[f64],
+    margins: &[f64],
     threads: usize,
 ) -> DpResult<ClippedSum> {
-    let (batch, nb) = (records.batch, blocks.len());
+    let blocks = &layout.blocks;
+    let (batch, nb, ng) = (records.batch, blocks.len(), layout.groups.len());
     let rows = OWNED_TILE_ROWS;
     let mut sums = zero_sums(records)?;
     let partials: Vec<AtomicU64> = (0..2 * rows * nb).map(|_| AtomicU64::new(0)).collect();
-    let weights = block_weights(records, blocks);
     let barrier = SpinBarrier::new(threads);
     let norms = {
         let runs = owned_runs(&mut sums, blocks, threads);
         let work = |t: usize| -> DpResult<Vec<f64>> {
             let mut mine = runs[t].lock().unwrap_or_else(|e| e.into_inner());
             let (k0, k1) = (t * nb / threads, (t + 1) * nb / threads);
-            let mut norms = Vec::with_capacity(if t == 0 { batch } else { 0 });
-            let mut factors = [0.0f64; OWNED_TILE_ROWS];
+            let mut norms = GroupNorms::new(records);
+            // Group-major, OWNED_TILE_ROWS per group.
+            let mut factors = vec![0.0f64; rows * ng];
             for (tile, r0) in (0..batch).step_by(rows).enumerate() {
                 let r1 = (r0 + rows).min(batch);
                 let buf = &partials[(tile % 2) * rows * nb..][..rows * nb];
@@ -237,33 +318,30 @@ pub(super) fn clip_sum_owned(
                 }
                 for r in r0..r1 {
                     let row = &buf[(r - r0) * nb..][..nb];
-                    let sums = row
-                        .iter()
-                        .map(|v| f64::from_bits(v.load(Ordering::Relaxed)));
-                    let n = norm_from_blocks(records, r, sums, &weights)?;
-                    factors[r - r0] = clip_factor(n, l2_norm_clip, margin);
-                    if t == 0 {
-                        norms.push(n);
-                    }
+                    let partial = |k: usize| f64::from_bits(row[k].load(Ordering::Relaxed));
+                    layout.row_norms(records, r, partial, |g, n| {
+                        factors[g * rows + r - r0] = clip_factor(n, clips[g], margins[g]);
+                        if t == 0 {
+                            norms.push(g, n);
+                        }
+                    })?;
                 }
                 for run in mine.iter_mut() {
                     let p = &records.parts[run.part];
                     let b = Block {
                         part: run.part,
+                        group: p.group,
                         start: run.start,
                         len: run.acc.len(),
                     };
+                    let f = &factors[p.group * rows..][..r1 - r0];
                     match p.data {
-                        Column::F32(x) => {
-                            add_rows(run.acc, x, p.width, &b, r0, &factors[..r1 - r0])
-                        }
-                        Column::F64(x) => {
-                            add_rows(run.acc, x, p.width, &b, r0, &factors[..r1 - r0])
-                        }
+                        Column::F32(x) => add_rows(run.acc, x, p.width, &b, r0, f),
+                        Column::F64(x) => add_rows(run.acc, x, p.width, &b, r0, f),
                     }
                 }
             }
-            Ok(norms)
+            Ok(norms.into_flat())
         };
         let results = rayon::broadcast(|ctx| {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx.index())));

@@ -24,7 +24,10 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ..mechanism import gaussian_noise
-from .base import DPQuery, ReleasePlan, SumState, check_parts, derive_seed, nonnegative, positive
+from .base import (
+    ClipJob, DPQuery, GaussianRelease, ReleasePlan, SumState, check_parts, derive_seed, noise_releases, nonnegative,
+    positive,
+)
 from ..events import ComposedQueryEvent, SumQueryEvent
 from .gaussian import GaussianSumQuery
 
@@ -137,9 +140,19 @@ class QuantileAdaptiveClipQuery(DPQuery):
     def accumulate_records(self, params: Any, sample_state: Any, records: Any) -> AdaptiveClipSampleState:
         st = self._sample(sample_state)
         sums, norms = self._sum.accumulate_with_norms(params, st.sums, records)
+        return self._with_count(st, sums, norms)
+
+    def _with_count(self, st: AdaptiveClipSampleState, sums: Any, norms: np.ndarray) -> AdaptiveClipSampleState:
         # The indicator uses the same C as the clipping, in one vectorised pass over the B norms.
         centred = float(np.count_nonzero(norms <= sums.l2_norm_clip)) - 0.5 * norms.size
         return AdaptiveClipSampleState(sums, st.centred_unclipped + centred, sums.l2_norm_clip)
+
+    def clip_job(self, params: Any, sample_state: Any, records: Any) -> Optional[ClipJob]:
+        return self._sum.clip_job(params, self._sample(sample_state).sums, records)
+
+    def accumulate_clipped(self, params: Any, sample_state: Any, sums: Any, norms: np.ndarray) -> AdaptiveClipSampleState:
+        st = self._sample(sample_state)
+        return self._with_count(st, self._sum.accumulate_clipped(params, st.sums, sums, norms), norms)
 
     def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> AdaptiveClipSampleState:
         a, b = self._sample(sample_state_1), self._sample(sample_state_2)
@@ -149,14 +162,18 @@ class QuantileAdaptiveClipQuery(DPQuery):
     def get_noised_result(
         self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
     ) -> Tuple[Any, AdaptiveClipGlobalState, ComposedQueryEvent]:
+        rel = self.gaussian_release(sample_state, global_state, seed=seed)
+        return noise_releases([rel], derive_seed(seed, 0))[0], rel.global_state, rel.event
+
+    def gaussian_release(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> GaussianRelease:
         st, gs = self._sample(sample_state), self._global(global_state)
         clip = st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip
         stddev = self._z_delta * clip
-        sum_event = SumQueryEvent(clip, stddev)
-        count_event = SumQueryEvent(0.5, self._sigma_b)
-        result = st.sums.noised([stddev] * len(st.sums.sums), self._den, derive_seed(seed, 0))
+        event = ComposedQueryEvent((SumQueryEvent(clip, stddev), SumQueryEvent(0.5, self._sigma_b)))
         new_gs = self._next_global(gs, st.centred_unclipped, seed)
-        return result, new_gs, ComposedQueryEvent((sum_event, count_event))
+        return st.sums.release([stddev] * len(st.sums.sums), self._den, event, new_gs)
 
     def _next_global(self, gs: AdaptiveClipGlobalState, centred: float, seed: Optional[int]) -> AdaptiveClipGlobalState:
         """The geometric clip update from the noised unclipped count (Andrew et al., Eq. (2))."""

@@ -27,7 +27,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..mechanism import _seed, gaussian_noise
+from .. import _core
+from ..mechanism import _seed
 from .._validate import nonnegative, positive  # noqa: F401 (the queries import them from here)
 
 
@@ -109,6 +110,35 @@ class DPQuery:
         divides by plan.denominator and records plan.event in the ledger first. ``seed``: tests."""
         raise TypeError(f"{type(self).__name__} cannot release a sum formed outside the query")
 
+    # -- many queries in one core call -----------------------------------------------------
+    # A NestedQuery clips the batch of every group in one Rust call, and noises every group's
+    # sum in one more, instead of two calls per group: small groups would otherwise each run
+    # alone on one thread, and pay the Python overhead of a call. A query takes part by saying
+    # what its accumulate_records and get_noised_result would do in the core; one that returns
+    # None (the default) is run on its own. Lifecycle::
+    #
+    #     job = q.clip_job(params, st, records)          # arrays, bound, scales; or None
+    #     st = q.accumulate_clipped(params, st, sums, norms)  # sums, norms: from the one call
+    #     rel = q.gaussian_release(st, gs)               # sums, stddevs, event; or None
+    #     result = noise_releases([rel, ...])[0]         # one call for all of them
+
+    def clip_job(self, params: Any, sample_state: Any, records: Any) -> Optional["ClipJob"]:
+        """What :meth:`accumulate_records` would clip in the core, checked against the sample
+        state, or None when it does more than a clipped sum."""
+        return None
+
+    def accumulate_clipped(self, params: Any, sample_state: Any, sums: List[np.ndarray], norms: np.ndarray) -> Any:
+        """The state :meth:`accumulate_records` would return, given the core's clipped sums of
+        the :meth:`clip_job` (fresh float64 arrays shaped like one record's) and the norms (B,)."""
+        raise NotImplementedError
+
+    def gaussian_release(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> Optional["GaussianRelease"]:
+        """What :meth:`get_noised_result` would release, before its Gaussian noise is drawn, or
+        None. ``seed`` (tests) is for any other randomness of the new global state."""
+        return None
+
 
 @dataclass(frozen=True)
 class ReleasePlan:
@@ -129,6 +159,47 @@ class ReleasePlan:
     event: Any
 
 
+@dataclass(frozen=True)
+class ClipJob:
+    """The clipped sum a query's :meth:`DPQuery.accumulate_records` computes: ``arrays`` (the
+    records, each (B, ...)) clipped jointly to ``l2_norm_clip``, with joint-clipping ``scales``."""
+
+    arrays: Tuple[np.ndarray, ...]
+    l2_norm_clip: float
+    scales: Optional[Tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class GaussianRelease:
+    """A release before its noise: part j of the result is (sums[j] + N(0, part_stddevs[j]²))
+    / denominator in dtypes[j], packed as ``kind`` (an array, a list or a tuple); ``event`` and
+    ``global_state`` are what :meth:`DPQuery.get_noised_result` returns beside it."""
+
+    sums: Tuple[np.ndarray, ...]
+    part_stddevs: Tuple[float, ...]
+    denominator: float
+    dtypes: Tuple[np.dtype, ...]
+    kind: type
+    event: Any
+    global_state: Any
+
+
+def noise_releases(releases: Sequence[GaussianRelease], seed: Optional[int] = None) -> List[Any]:
+    """The results of many Gaussian releases, with all their noise drawn in one core call (the
+    Gaussian mechanism of McMahan et al. 2018, §1 step 3, for each group; every part of every
+    release reads its own ChaCha20 streams). ``seed``: tests only."""
+    sums = [np.ascontiguousarray(s, dtype=np.float64).ravel() for r in releases for s in r.sums]
+    sds = [float(sd) for r in releases for sd in r.part_stddevs]
+    dens = [float(r.denominator) for r in releases for _ in r.sums]
+    f32 = [np.dtype(dt) == np.float32 for r in releases for dt in r.dtypes]
+    flat = iter(_core.gaussian_release(sums, sds, dens, f32, _seed(seed)))
+    results = []
+    for r in releases:
+        outs = [next(flat).reshape(s.shape) for s in r.sums]
+        results.append(outs[0] if r.kind is np.ndarray else r.kind(outs))
+    return results
+
+
 def check_parts(num_parts: Any) -> int:
     if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
         raise ValueError(f"num_parts must be an int >= 1, got {num_parts!r}")
@@ -146,10 +217,7 @@ def _batch_of_one(record: Any) -> Any:
     return a[np.newaxis]
 
 
-# ----------------------------------------------------------------------------- parameters
-
-
-
+# ----------------------------------------------------------------------------- seeds
 
 
 def derive_seed(seed: Optional[int], *path: int) -> Optional[int]:
@@ -235,17 +303,7 @@ class SumState:
         clip = clips.pop() if clips else None
         return SumState(tuple(a + b for a, b in zip(self.sums, other.sums)), self.dtypes, self.kind, clip)
 
-    def noised(
-        self, stddevs: Sequence[float], denominator: float, seed: Optional[int]
-    ) -> Any:
-        """Σ + N(0, stddev_j²) per part, divided by ``denominator``, in the template's dtypes."""
-        outs = []
-        for j, (s, sd, dt) in enumerate(zip(self.sums, stddevs, self.dtypes)):
-            noise = gaussian_noise(s.shape, sd, dtype=np.float64, seed=derive_seed(seed, j))
-            r = np.asarray(s + noise)
-            if denominator != 1.0:
-                r /= denominator
-            outs.append(r.astype(dt, copy=False))
-        if self.kind is np.ndarray:
-            return outs[0]
-        return self.kind(outs)
+    def release(self, stddevs: Sequence[float], denominator: float, event: Any, global_state: Any) -> GaussianRelease:
+        """This state's sums, released with N(0, stddevs[j]²) on part j and divided by
+        ``denominator``, in the template's dtypes."""
+        return GaussianRelease(self.sums, tuple(stddevs), denominator, self.dtypes, self.kind, event, global_state)

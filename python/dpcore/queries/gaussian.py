@@ -14,7 +14,9 @@ import numpy as np
 
 from .. import _core
 from ..mechanism import DiscreteGaussianParams, _unpack, check_mechanism, clip_sum, discrete_gaussian_params
-from .base import DPQuery, ReleasePlan, SumState, check_parts, nonnegative, positive
+from .base import (
+    ClipJob, DPQuery, GaussianRelease, ReleasePlan, SumState, check_parts, noise_releases, nonnegative, positive,
+)
 from ..events import NonPrivateQueryEvent, SumQueryEvent
 
 __all__ = [
@@ -110,6 +112,10 @@ class GaussianSumQuery(DPQuery):
         """As :meth:`accumulate_records`, also returning the records' unclipped norms (B,) (of the
         scaled records for joint clipping). The norms are not private; use them only inside a
         query that privatizes what it derives from them."""
+        job = self.clip_job(params, sample_state, records)
+        if job is not None:
+            sums, norms = clip_sum(list(job.arrays), job.l2_norm_clip, scales=job.scales, dtype=np.float64)
+            return self.accumulate_clipped(params, sample_state, list(sums), norms), norms
         st = _state(sample_state)
         clip = positive("l2_norm_clip (sample params)", params)
         arrays, _ = _unpack(records)
@@ -122,8 +128,19 @@ class GaussianSumQuery(DPQuery):
             flat, norms, _ = _core.clip_round_sum(list(arrays), clip, p.granularity, p.sens_sq, scales)
             sums = [f.reshape(s.shape) for f, s in zip(flat, st.sums)]
             return st.added(sums, clip), norms
-        sums, norms = clip_sum(list(arrays), clip, scales=self._scales, dtype=np.float64)
-        return st.added(list(sums), clip), norms
+        raise AssertionError("unreachable: clip_job covers the Gaussian mechanism")
+
+    def clip_job(self, params: Any, sample_state: Any, records: Any) -> Optional[ClipJob]:
+        if self._mechanism != "gaussian":
+            return None  # records are rounded onto the grid one by one: not a plain clipped sum
+        st = _state(sample_state)
+        clip = positive("l2_norm_clip (sample params)", params)
+        arrays, _ = _unpack(records)
+        st.check_records(arrays)
+        return ClipJob(tuple(arrays), clip, self._scales)
+
+    def accumulate_clipped(self, params: Any, sample_state: Any, sums: Any, norms: np.ndarray) -> SumState:
+        return _state(sample_state).added(list(sums), positive("l2_norm_clip (sample params)", params))
 
     def accumulate_records(self, params: Any, sample_state: Any, records: Any) -> SumState:
         return self.accumulate_with_norms(params, sample_state, records)[0]
@@ -141,11 +158,24 @@ class GaussianSumQuery(DPQuery):
         clip = st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip
         if self._mechanism == "discrete_gaussian":
             return self._discrete_release(st, gs, clip, scales, seed), gs, self._discrete_event(st, gs, clip)
+        rel = self.gaussian_release(st, gs)
+        assert rel is not None
+        return noise_releases([rel], seed)[0], gs, rel.event
+
+    def gaussian_release(
+        self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None
+    ) -> Optional[GaussianRelease]:
+        if self._mechanism != "gaussian":
+            return None
+        st, gs = _state(sample_state), _global(global_state)
+        if self._scales is not None and len(st.sums) != len(self._scales):
+            raise ValueError(f"sample state has {len(st.sums)} arrays but scales has {len(self._scales)} values")
+        scales = self._scales or (1.0,) * len(st.sums)
+        clip = st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip
         # The event reports the bound the records were clipped to (see SumState) and the noise
         # actually added; both are validated by SumQueryEvent before any noise is drawn.
         event = SumQueryEvent(clip, gs.stddev)
-        result = st.noised([gs.stddev * a for a in scales], self._denominator(), seed)
-        return result, gs, event
+        return st.release([gs.stddev * a for a in scales], self._denominator(), event, gs)
 
     def _discrete_event(self, st: SumState, gs: GaussianGlobalState, clip: float) -> SumQueryEvent:
         dim = sum(int(s.size) for s in st.sums)

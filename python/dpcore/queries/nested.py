@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
-from .base import DPQuery, derive_seed
+
+
+from .. import _core
+from .base import DPQuery, derive_seed, noise_releases
 from ..events import ComposedQueryEvent
 
 __all__ = ["NestedQuery"]
@@ -79,9 +82,13 @@ class NestedQuery(DPQuery):
 
     ``records`` given to :meth:`accumulate_records` has the structure of ``queries``; at each
     leaf, the subtree is what that leaf query accepts (an array of shape (B, ...) or a list/tuple
-    of arrays for a multi-part group). Every leaf does one Rust call per batch. The result has
-    the structure of ``queries``; the event is a :class:`ComposedQueryEvent` of the leaves'
-    events, to which the ledger applies Eq. (1) (§3).
+    of arrays for a multi-part group). The result has the structure of ``queries``; the event is
+    a :class:`ComposedQueryEvent` of the leaves' events, to which the ledger applies Eq. (1) (§3).
+
+    The Gaussian leaves (sum, average, joint-clipping, count and adaptive-clipping queries) are
+    clipped together in one Rust call per batch, each group to its own bound, and noised
+    together in one more (see :meth:`DPQuery.clip_job`); the results are the ones the leaves
+    would give on their own, up to the noise drawn. Other leaves run on their own.
 
     Seeds (tests only) are split into an independent one per leaf.
     """
@@ -126,7 +133,27 @@ class NestedQuery(DPQuery):
         p = self._state(params, "params")
         s = self._state(sample_state, "sample_state")
         r = _flatten_like(self._structure, records, "records")
-        return self._map(lambda q, a, b, c: q.accumulate_records(a, b, c), p, s, r)
+        # Every leaf checks its records (clip_job) before the one call clips any of them.
+        jobs = [q.clip_job(a, b, c) for q, a, b, c in zip(self._queries, p, s, r)]
+        fused = [k for k, j in enumerate(jobs) if j is not None]
+        out = [None if jobs[k] is not None else q.accumulate_records(p[k], s[k], r[k]) for k, q in enumerate(self._queries)]
+        if fused:
+            batch = jobs[fused[0]].arrays[0].shape[0]
+            for k in fused:
+                if jobs[k].arrays[0].shape[0] != batch:
+                    raise ValueError(
+                        f"records at {self.leaf_paths[k]}: {jobs[k].arrays[0].shape[0]} records, but "
+                        f"{batch} at {self.leaf_paths[fused[0]]} (all groups hold the same sample)"
+                    )
+            arrays = [a for k in fused for a in jobs[k].arrays]
+            groups = [g for g, k in enumerate(fused) for _ in jobs[k].arrays]
+            scales = [a for k in fused for a in (jobs[k].scales or (1.0,) * len(jobs[k].arrays))]
+            flat, norms = _core.clip_sum_groups(arrays, groups, [jobs[k].l2_norm_clip for k in fused], scales)
+            it = iter(flat)
+            for g, k in enumerate(fused):
+                sums = [next(it).reshape(a.shape[1:]) for a in jobs[k].arrays]
+                out[k] = self._queries[k].accumulate_clipped(p[k], s[k], sums, norms[g * batch : (g + 1) * batch])
+        return NestedState(tuple(out))
 
     def merge_sample_states(self, sample_state_1: Any, sample_state_2: Any) -> NestedState:
         a = self._state(sample_state_1, "sample_state_1")
@@ -138,9 +165,17 @@ class NestedQuery(DPQuery):
     ) -> Tuple[Any, NestedState, ComposedQueryEvent]:
         s = self._state(sample_state, "sample_state")
         g = self._state(global_state, "global_state")
+        rels = [
+            q.gaussian_release(a, b, seed=derive_seed(seed, 1_000_003, k))
+            for k, (q, a, b) in enumerate(zip(self._queries, s, g))
+        ]
+        fused = [rel for rel in rels if rel is not None]
+        noised = iter(noise_releases(fused, derive_seed(seed, 1_000_003)) if fused else [])
         outs = [
             q.get_noised_result(a, b, seed=derive_seed(seed, 1_000_003, k))
-            for k, (q, a, b) in enumerate(zip(self._queries, s, g))
+            if rel is None
+            else (next(noised), rel.global_state, rel.event)
+            for k, (q, a, b, rel) in enumerate(zip(self._queries, s, g, rels))
         ]
         result = _unflatten(self._structure, iter([o[0] for o in outs]))
         return result, NestedState(tuple(o[1] for o in outs)), ComposedQueryEvent(tuple(o[2] for o in outs))
