@@ -569,3 +569,86 @@ def test_old_parameter_names_still_work_with_a_deprecation_warning(tmp_path):
     assert dl.sampling_probability == 0.3 == dl.sample_rate
     with pytest.raises(TypeError, match="sampling_probability= only"):
         DPDataLoader(ds, 0.3, sample_rate=0.3, ledger=dpcore.PrivacyLedger(tmp_path / "m.jsonl"))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_discrete_gaussian_release_in_the_optimizer(clipping):
+    """mechanism='discrete_gaussian': the released gradient is the core's discrete release of the
+    clipped sum (rounded onto the grid, integer noise, then divided), the ledger records the
+    rounded sum's sensitivity C + √d·γ, and a zero-noise release is the clipped sum on the grid."""
+    from dpcore.queries.base import derive_seed
+
+    torch.manual_seed(3)
+    x, y = torch.randn(6, 7), torch.randint(0, 4, (6,))
+    grads = {}
+    init = mlp().state_dict()
+    for z in (0.0, 1.2):
+        model = mlp()
+        model.load_state_dict(init)
+        led = dpcore.PrivacyLedger(tmp_ledger())
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=z,
+                          max_grad_norm=0.5, expected_batch_size=4.0, ledger=led, clipping=clipping,
+                          mechanism="discrete_gaussian", seed=5)
+        led.record_sample(100, 0.04)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        grads[z] = [p.grad.detach().double().numpy().copy() for p in model.parameters()]
+        plans = opt._plans() if opt._pending else [g.plan() for g in opt._groups]
+        for g, plan in zip(opt._groups, plans):
+            assert plan.mechanism == "discrete_gaussian"
+            d = sum(model_p.numel() for k, model_p in enumerate(model.parameters()) if k in g.members)
+            assert plan.event.mechanism == "discrete_gaussian"
+            assert plan.event.l2_norm_clip >= plan.l2_norm_clip + math.sqrt(d) * plan.granularity
+            # S is the square rounded up to an integer number of grid steps squared: within 1e-9.
+            assert plan.event.l2_norm_clip <= (plan.l2_norm_clip + math.sqrt(d) * plan.granularity) * (1 + 1e-9)
+            for k in g.members:  # on the grid γ/den (float32 holds these grid points exactly)
+                steps = grads[z][k] * plan.denominator / plan.granularity
+                np.testing.assert_array_equal(steps, np.round(steps))
+        rec = led.samples[-1].queries
+        assert all(q.mechanism == "discrete_gaussian" for q in rec)
+        if z > 0:
+            assert rec == tuple(p.event for p in plans)
+        opt.engine.remove()
+    # The zero-noise release is the clipped sum, rounded onto the grid.
+    ref = mlp()
+    ref.load_state_dict(init)
+    per = reference_per_record(ref, x, y)
+    names = [n for n, _ in ref.named_parameters()]
+    arrays = [per[n].reshape(6, -1) for n in names]
+    if clipping == "flat":
+        clipped = [s / 4.0 for s in dpcore.clip_sum(arrays, 0.5)[0]]
+    else:
+        clips = dpcore.queries.per_layer_clip_norms(0.5, len(arrays))
+        clipped = [dpcore.clip_sum([a], c)[0][0] / 4.0 for a, c in zip(arrays, clips)]
+    for got, want in zip(grads[0.0], clipped):
+        np.testing.assert_allclose(got.ravel(), want, atol=1e-6 / 4.0 + 2.0 ** -20)
+    assert any(np.any(a != b) for a, b in zip(grads[0.0], grads[1.2]))
+
+
+def test_discrete_release_of_a_sum_is_the_cores():
+    """discrete_sum_release rounds each part's sum onto γ·α_j, adds N_ℤ noise of σ ≥ zc grid
+    steps, and divides; seeded, it is reproducible; its variance is (zC)²."""
+    s = np.full((200, 100), 0.3)
+    out = dpcore.mechanism.discrete_sum_release([s], l2_norm_clip=2.0, noise_multiplier=1.5,
+                                                granularity=2.0**-10, seed=4)[0]
+    again = dpcore.mechanism.discrete_sum_release([s], l2_norm_clip=2.0, noise_multiplier=1.5,
+                                                  granularity=2.0**-10, seed=4)[0]
+    assert np.array_equal(out, again) and out.shape == s.shape
+    k = out / 2.0**-10
+    np.testing.assert_array_equal(k, np.round(k))
+    noise = out - np.round(0.3 / 2.0**-10) * 2.0**-10
+    assert abs(noise.var() / 9.0 - 1.0) < 6 * math.sqrt(2 / noise.size)
+    with pytest.raises(ValueError, match="part_scales"):
+        dpcore.mechanism.discrete_sum_release([s], l2_norm_clip=2.0, noise_multiplier=1.5, granularity=1e-3,
+                                              part_scales=[1.0, 2.0])
+
+
+def test_calibration_refuses_the_discrete_gaussian():
+    ds = digits_like(32)
+    model = mlp()
+    with pytest.raises(ValueError, match="mechanism='gaussian' only"):
+        dpcore.torch.make_private_with_epsilon(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(ds, batch_size=8),
+            target_epsilon=2.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0, mechanism="discrete_gaussian",
+        )

@@ -166,6 +166,48 @@ def discrete_gaussian_params(
     )
 
 
+def discrete_sum_release(
+    sums: Sequence[np.ndarray],
+    *,
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    granularity: float,
+    part_scales: Optional[Sequence[float]] = None,
+    denominator: Optional[float] = None,
+    seed: Optional[int] = None,
+) -> List[np.ndarray]:
+    """The discrete Gaussian release of clipped sums formed by the caller (the torch optimizer).
+
+    Part j's sum (in the records' units, not divided) is rounded to the nearest point of the grid
+    γ·α_j·ℤ^d, γ = ``granularity``; N_ℤ(0, σ²) is added to every coordinate in grid units, with
+    σ² ≥ (z·c)² and c = C/γ, sampled exactly from ChaCha20 (Canonne, Kamath & Steinke 2020,
+    Algorithm 3); the result is float64, divided by ``denominator``. Rounding a sum moves it by at
+    most √d/2 grid steps, so neighbouring sums differ by at most c + √d steps after rounding: the
+    sensitivity :func:`discrete_gaussian_params` gives with ``rounding="sum"``, which the ledger
+    must record. ``seed``: tests and reproductions only.
+    """
+    arrays = [np.ascontiguousarray(s, dtype=np.float64) for s in sums]
+    if not arrays:
+        raise ValueError("sums is empty; give one array per part of the group")
+    scales = [1.0] * len(arrays) if part_scales is None else [_real("part_scales", a) for a in part_scales]
+    if len(scales) != len(arrays):
+        raise ValueError(f"part_scales has {len(scales)} values but there are {len(arrays)} sums")
+    dim = sum(int(a.size) for a in arrays)
+    outs = _core.discrete_release(
+        [a.ravel() for a in arrays],
+        scales,
+        _real("l2_norm_clip", l2_norm_clip),
+        _real("noise_multiplier", noise_multiplier),
+        dim,
+        _real("granularity", granularity),
+        False,
+        None if denominator is None else _real("denominator", denominator),
+        _seed(seed),
+        True,
+    )
+    return [o.reshape(a.shape) for o, a in zip(outs, arrays)]
+
+
 def clip_noise(
     grads: Grads,
     l2_norm_clip: float,

@@ -1,8 +1,8 @@
 """DP queries: concern (b) of McMahan et al. 2018, a configurable tree of privacy mechanisms.
 
 Lifecycle (see :class:`DPQuery`): ``initial_global_state`` → ``derive_sample_params`` →
-``initial_sample_state(template)`` → ``accumulate_records`` (one Rust call per group and batch)
-→ ``merge_sample_states`` → ``get_noised_result`` returning ``(result, global_state, event)``;
+``initial_sample_state(template)`` → ``accumulate_records`` (one Rust call per batch; a
+:class:`NestedQuery` clips all its Gaussian groups in that one call) → ``merge_sample_states`` → ``get_noised_result`` returning ``(result, global_state, event)``;
 the event holds the privacy tuples (S_g, σ̃_g) that the ledger records (§6).
 
 Queries: :class:`GaussianSumQuery`, :class:`GaussianAverageQuery`, :class:`JointClipQuery` (§2),

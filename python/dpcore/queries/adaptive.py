@@ -186,7 +186,7 @@ class QuantileAdaptiveClipQuery(DPQuery):
 
     # -- sums formed by the caller (see DPQuery): the count comes from the records' norms
 
-    def release_plan(self, global_state: Any, num_parts: int) -> ReleasePlan:
+    def release_plan(self, global_state: Any, num_parts: int, *, dim: Optional[int] = None) -> ReleasePlan:
         gs = self._global(global_state)
         check_parts(num_parts)
         clip = gs.l2_norm_clip
@@ -206,7 +206,8 @@ class QuantileAdaptiveClipQuery(DPQuery):
         return float(norm_state_1 or 0.0) + float(norm_state_2 or 0.0)
 
     def get_noised_plan(
-        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None,
+        dim: Optional[int] = None,
     ) -> Tuple[ReleasePlan, AdaptiveClipGlobalState]:
         gs = self._global(global_state)
         plan = self.release_plan(gs, num_parts)

@@ -83,8 +83,9 @@ class DPQuery:
     #     ns = q.accumulate_norms(q.derive_sample_params(gs), q.initial_norm_state(), norms)
     #     plan, gs = q.get_noised_plan(ns, gs, num_parts)       # noise stddevs, event; new state
 
-    def release_plan(self, global_state: Any, num_parts: int) -> "ReleasePlan":
-        """How the next release clips records and adds noise (see :class:`ReleasePlan`)."""
+    def release_plan(self, global_state: Any, num_parts: int, *, dim: Optional[int] = None) -> "ReleasePlan":
+        """How the next release clips records and adds noise (see :class:`ReleasePlan`).
+        ``dim``: the group's number of coordinates, which a discrete Gaussian release needs."""
         raise TypeError(f"{type(self).__name__} cannot release a sum formed outside the query")
 
     def initial_norm_state(self) -> Any:
@@ -103,7 +104,8 @@ class DPQuery:
     plan_from_global_state: bool = False
 
     def get_noised_plan(
-        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None,
+        dim: Optional[int] = None,
     ) -> Tuple["ReleasePlan", Any]:
         """``(plan, new_global_state)`` of a release whose clipped sum the caller formed with
         the clip of :meth:`release_plan`: the caller adds N(0, plan.part_stddevs[j]²) to part j,
@@ -150,6 +152,12 @@ class ReleasePlan:
     get_noised_result` would do it: clip each record (scaled by 1/α_j for joint clipping, §2)
     to ``l2_norm_clip``, add N(0, ``part_stddevs[j]``²) to part j of the sum, divide by
     ``denominator``, and record ``event`` in the ledger before returning the result.
+
+    With ``mechanism`` "discrete_gaussian" the caller instead rounds the undivided sum of part j
+    onto the grid of step ``granularity``·α_j and adds discrete Gaussian noise (Canonne, Kamath &
+    Steinke 2020) of ``part_stddevs[j]``/(``granularity``·α_j) grid steps, then divides by
+    ``denominator`` (:func:`dpcore.mechanism.discrete_sum_release`); ``event`` then carries the
+    sensitivity of a rounded sum, c + √d grid steps (Kairouz, Liu & Steinke 2021, §4).
     """
 
     l2_norm_clip: float
@@ -157,6 +165,10 @@ class ReleasePlan:
     part_stddevs: Tuple[float, ...]
     denominator: float
     event: Any
+    mechanism: str = "gaussian"
+    granularity: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    dim: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -199,24 +199,40 @@ class GaussianSumQuery(DPQuery):
     plan_from_global_state = True
 
     def get_noised_plan(
-        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None,
+        dim: Optional[int] = None,
     ) -> Tuple[ReleasePlan, GaussianGlobalState]:
         """The release of a sum formed by the caller: this query's plan; the state is unchanged."""
-        return self.release_plan(global_state, num_parts), _global(global_state)
+        return self.release_plan(global_state, num_parts, dim=dim), _global(global_state)
 
-    def release_plan(self, global_state: Any, num_parts: int) -> ReleasePlan:
+    def release_plan(self, global_state: Any, num_parts: int, *, dim: Optional[int] = None) -> ReleasePlan:
         """The plan of this query's next release over a group of ``num_parts`` arrays, for a
-        caller that clips and sums the records itself (see :class:`ReleasePlan`)."""
+        caller that clips and sums the records itself (see :class:`ReleasePlan`). A discrete
+        Gaussian query rounds the sum, not each record, and needs the group's ``dim``."""
         gs = _global(global_state)
         check_parts(num_parts)
-        if self._mechanism == "discrete_gaussian":
-            raise NotImplementedError(
-                "mechanism='discrete_gaussian' needs the records themselves (each is rounded onto the grid before "
-                "summing); callers that form the clipped sum on their own, such as dpcore.torch, cannot use it"
-            )
         if self._scales is not None and num_parts != len(self._scales):
             raise ValueError(f"the group has {num_parts} arrays but scales has {len(self._scales)} values")
         scales = self._scales or (1.0,) * num_parts
+        if self._mechanism == "discrete_gaussian":
+            if dim is None:
+                raise ValueError("a discrete Gaussian release of a sum formed by the caller needs the group's dim")
+            z = gs.stddev / gs.l2_norm_clip
+            p = discrete_gaussian_params(
+                gs.l2_norm_clip, z if z > 0 else 1.0, dim, granularity=self._granularity, rounding="sum"
+            )
+            sd = p.stddev if z > 0 else 0.0
+            return ReleasePlan(
+                l2_norm_clip=gs.l2_norm_clip,
+                part_scales=tuple(scales),
+                part_stddevs=tuple(sd * a for a in scales),
+                denominator=self._denominator(),
+                event=SumQueryEvent(p.sensitivity, sd, "discrete_gaussian"),
+                mechanism="discrete_gaussian",
+                granularity=p.granularity,
+                noise_multiplier=z,
+                dim=dim,
+            )
         return ReleasePlan(
             l2_norm_clip=gs.l2_norm_clip,
             part_scales=tuple(scales),
@@ -268,9 +284,10 @@ class JointClipQuery(GaussianSumQuery):
     """
 
     def __init__(
-        self, scales: Sequence[float], l2_norm_clip: float, stddev: float, *, denominator: Optional[float] = None
+        self, scales: Sequence[float], l2_norm_clip: float, stddev: float, *, denominator: Optional[float] = None,
+        mechanism: str = "gaussian", granularity: Optional[float] = None,
     ) -> None:
-        super().__init__(l2_norm_clip, stddev)
+        super().__init__(l2_norm_clip, stddev, mechanism=mechanism, granularity=granularity)
         if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
             raise TypeError("scales must be a sequence of floats, one per part of the group")
         vals = tuple(positive(f"scales[{k}]", a) for k, a in enumerate(scales))

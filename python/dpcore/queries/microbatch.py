@@ -134,8 +134,8 @@ class MicrobatchQuery(DPQuery):
 
     # -- sums formed by the caller (see DPQuery): records are microbatch averages there too
 
-    def release_plan(self, global_state: Any, num_parts: int) -> Any:
-        plan = self._inner.release_plan(global_state, num_parts)
+    def release_plan(self, global_state: Any, num_parts: int, *, dim: Optional[int] = None) -> Any:
+        plan = self._inner.release_plan(global_state, num_parts, dim=dim)
         return dataclasses.replace(plan, event=scale_sensitivity(plan.event, self._factor))
 
     def initial_norm_state(self) -> Any:
@@ -147,6 +147,9 @@ class MicrobatchQuery(DPQuery):
     def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> Any:
         return self._inner.merge_norm_states(norm_state_1, norm_state_2)
 
-    def get_noised_plan(self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None) -> Any:
-        plan, gs = self._inner.get_noised_plan(norm_state, global_state, num_parts, seed=seed)
+    def get_noised_plan(
+        self, norm_state: Any, global_state: Any, num_parts: int, *, seed: Optional[int] = None,
+        dim: Optional[int] = None,
+    ) -> Any:
+        plan, gs = self._inner.get_noised_plan(norm_state, global_state, num_parts, seed=seed, dim=dim)
         return dataclasses.replace(plan, event=scale_sensitivity(plan.event, self._factor)), gs

@@ -70,6 +70,8 @@ def make_private(
     grad_sample_mode: str = "auto",
     batch_first: bool = True,
     poisson_sampling: bool = True,
+    mechanism: str = "gaussian",
+    granularity: Optional[float] = None,
     seed: Optional[int] = None,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
@@ -91,6 +93,13 @@ def make_private(
     ``loader.expected_batch_size`` for an average.
 
     ``ledger``: a :class:`dpcore.PrivacyLedger`, a path, or None (a temporary file).
+
+    ``mechanism="discrete_gaussian"`` (with an optional ``granularity`` γ) makes the noise
+    floating-point safe (Canonne, Kamath & Steinke 2020): each group's clipped sum is rounded
+    onto the grid γ·ℤ^d and noised with exact discrete Gaussian integers from ChaCha20 in the
+    core, and the ledger records the sensitivity of a rounded sum, C + √d·γ. The clipped sum is
+    still formed on the device in floating point (as for the Gaussian); the guarantee covers the
+    noise and the rounding, not the device's summation error. Not yet with data-parallel training.
 
     **Data-parallel.** When ``torch.distributed`` is initialised (as ``torchrun`` does) with
     more than one rank, run the same script on every rank with a DataLoader over the same full
@@ -129,6 +138,8 @@ def make_private(
         ledger=ledger,
         clipping=clipping,
         joint_scales=joint_scales,
+        mechanism=mechanism,
+        granularity=granularity,
         loss_reduction=loss_reduction,
         grad_sample_mode=grad_sample_mode,
         batch_first=batch_first,
@@ -191,6 +202,13 @@ def make_private_with_epsilon(
     :func:`dpcore.accounting.calibrate_noise_multiplier`, which never overshoots the target).
     The chosen σ is ``optimizer.noise_multiplier``. Training longer than ``epochs`` spends more
     than the target; ``optimizer.get_epsilon(delta)`` always reports what was spent."""
+    if kwargs.get("mechanism", "gaussian") != "gaussian":
+        # The calibration solves the Gaussian's accounting; the discrete Gaussian's (a looser RDP
+        # bound, and a larger sensitivity after rounding) would overshoot the target.
+        raise ValueError(
+            "make_private_with_epsilon calibrates for mechanism='gaussian' only; for the discrete Gaussian give "
+            "noise_multiplier to make_private and read optimizer.get_epsilon(delta)"
+        )
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
     if data_loader.batch_size is None:

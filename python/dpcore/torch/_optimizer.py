@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..ledger import PrivacyLedger
-from ..mechanism import gaussian_noise
+from ..mechanism import discrete_sum_release, gaussian_noise
 from ..queries import (
     DPQuery,
     GaussianAverageQuery,
@@ -46,16 +46,17 @@ class _Group:
     of the records accumulated towards the next release (the query protocol for sums formed
     by the caller, :class:`dpcore.queries.DPQuery`)."""
 
-    def __init__(self, query: Any, members: List[int]) -> None:
+    def __init__(self, query: Any, members: List[int], dim: int) -> None:
         self.query = query
         self.gs = query.initial_global_state()
         self.members = members
+        self.dim = dim
         self.ns = query.initial_norm_state()
 
     def plan(self) -> ReleasePlan:
         # How the next release clips (clip, scales, denominator): this adapter forms the
         # clipped sums itself, on the parameters' device.
-        return self.query.release_plan(self.gs, len(self.members))
+        return self.query.release_plan(self.gs, len(self.members), dim=self.dim)
 
 
 def _leaf_members(nested: NestedQuery, names: List[str]) -> List[List[int]]:
@@ -121,6 +122,8 @@ class DPOptimizer(torch.optim.Optimizer):
         ledger: Any = None,
         clipping: str = "flat",
         joint_scales: Optional[Sequence[float]] = None,
+        mechanism: str = "gaussian",
+        granularity: Optional[float] = None,
         loss_reduction: str = "mean",
         grad_sample_mode: str = "auto",
         batch_first: bool = True,
@@ -136,8 +139,11 @@ class DPOptimizer(torch.optim.Optimizer):
         if query is not None:
             if not isinstance(query, DPQuery):
                 raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
-            if noise_multiplier is not None or max_grad_norm is not None or clipping != "flat" or joint_scales is not None:
-                raise ValueError("give either query= or noise_multiplier/max_grad_norm/clipping, not both")
+            if (
+                noise_multiplier is not None or max_grad_norm is not None or clipping != "flat" or joint_scales is not None
+                or mechanism != "gaussian" or granularity is not None
+            ):
+                raise ValueError("give either query= or noise_multiplier/max_grad_norm/clipping/mechanism, not both")
             z = float("nan")
             den = float("nan") if expected_batch_size is None else _positive("expected_batch_size", expected_batch_size)
         else:
@@ -175,6 +181,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if m == 0:
             raise ValueError("the optimizer has no trainable parameter in the model")
         if query is None:
+            how: Dict[str, Any] = {"mechanism": mechanism, "granularity": granularity}
             if clipping == "per_layer":
                 if isinstance(max_grad_norm, (list, tuple)):
                     if len(max_grad_norm) != m:
@@ -183,28 +190,36 @@ class DPOptimizer(torch.optim.Optimizer):
                 else:
                     clips = per_layer_clip_norms(_positive("max_grad_norm", max_grad_norm), m)
                 sds = proportional_noise(z, clips)
-                inner = NestedQuery({n: GaussianAverageQuery(c, sd, den) for n, c, sd in zip(self.param_names, clips, sds)})
+                inner = NestedQuery(
+                    {n: GaussianAverageQuery(c, sd, den, **how) for n, c, sd in zip(self.param_names, clips, sds)}
+                )
             else:
                 c = _positive("max_grad_norm", max_grad_norm)
                 if clipping == "flat":
-                    inner = GaussianAverageQuery(c, z * c, den)
+                    inner = GaussianAverageQuery(c, z * c, den, **how)
                 else:
                     if joint_scales is None or len(joint_scales) != m:
                         raise ValueError(f"clipping='joint' needs joint_scales with one scale per parameter tensor ({m})")
-                    inner = JointClipQuery(list(joint_scales), c, z * c, denominator=den)
+                    inner = JointClipQuery(list(joint_scales), c, z * c, denominator=den, **how)
             query = inner
         self.query: Any = query
         if isinstance(inner, NestedQuery):
             for path, q in zip(inner.leaf_paths, inner.leaf_queries):
                 if isinstance(q, (NestedQuery, MicrobatchQuery)):
                     raise ValueError(f"query group {path!r}: a MicrobatchQuery goes at the root of the query tree")
-            self._groups = [_Group(q, mem) for q, mem in zip(inner.leaf_queries, _leaf_members(inner, self.param_names))]
+            members = _leaf_members(inner, self.param_names)
+            self._groups = [_Group(q, mem, self._dim(mem)) for q, mem in zip(inner.leaf_queries, members)]
         elif isinstance(inner, MicrobatchQuery):
             raise ValueError("nested MicrobatchQuery: give one MicrobatchQuery at the root")
         else:
-            self._groups = [_Group(inner, list(range(m)))]
+            self._groups = [_Group(inner, list(range(m)), self._dim(range(m)))]
         for g in self._groups:
-            g.plan()  # a query that cannot release a caller-formed sum says so now
+            plan = g.plan()  # a query that cannot release a caller-formed sum says so now
+            if plan.mechanism != "gaussian" and self._comm is not None:
+                raise NotImplementedError(
+                    "mechanism='discrete_gaussian' is not supported with data-parallel training yet: the ranks' "
+                    "sums would have to be rounded and noised after the all-reduce"
+                )
         self._pending: Optional[List[Tuple[ReleasePlan, Any]]] = None
         self._margins = [
             clip_margin(sum(self._params[k].numel() for k in g.members), self._params[g.members[0]].dtype)
@@ -260,6 +275,9 @@ class DPOptimizer(torch.optim.Optimizer):
             f"clipping={self.clipping!r}, ledger={self.ledger.path!r})"
         )
 
+    def _dim(self, members: Any) -> int:
+        return sum(self._params[k].numel() for k in members)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears ``.grad`` and the captured activations (not the accumulated micro-batches)."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
@@ -287,8 +305,11 @@ class DPOptimizer(torch.optim.Optimizer):
             for k, a in zip(g.members, plan.part_scales):
                 if sq[k] is not None:
                     tot = tot + (sq[k] if a == 1.0 else sq[k] / (a * a))
-            # 1/denominator folded into the factors (and the noise): the release is one add
-            c = clip_factors(tot, plan.l2_norm_clip, margin) / plan.denominator
+            # 1/denominator folded into the factors (and the noise): the release is one add. A
+            # discrete release rounds the undivided sum onto its grid, so it divides afterwards.
+            c = clip_factors(tot, plan.l2_norm_clip, margin)
+            if plan.mechanism == "gaussian":
+                c = c / plan.denominator
             for k in g.members:
                 factors[k] = c
             # what the query derives from the records' norms (adaptive clipping's count)
@@ -343,11 +364,13 @@ class DPOptimizer(torch.optim.Optimizer):
             self._ledger_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-ledger")
         return self._ledger_worker.submit(self.ledger.record_release, self._event())
 
-    def _noise_stddevs(self) -> List[List[float]]:
-        """Per group and member: the stddev of the noise of the released average, α_j·σ̃/den."""
+    def _noise_stddevs(self) -> List[List[Optional[float]]]:
+        """Per group and member: the stddev of the noise of the released average, α_j·σ̃/den
+        (None for a discrete Gaussian group, noised after its sum is complete)."""
         out = []
         for plan in self._plans():
-            out.append([sd / plan.denominator for sd in plan.part_stddevs])
+            gaussian = plan.mechanism == "gaussian"
+            out.append([sd / plan.denominator if gaussian else None for sd in plan.part_stddevs])
         return out
 
     def _draw_noise(self, step: int, stddevs: List[List[float]], parallel: bool = True) -> List[List[torch.Tensor]]:
@@ -358,6 +381,9 @@ class DPOptimizer(torch.optim.Optimizer):
         for gi, (g, sds) in enumerate(zip(self._groups, stddevs)):
             row = []
             for j, (k, sd) in enumerate(zip(g.members, sds)):
+                if sd is None:
+                    row.append(None)
+                    continue
                 p = self._params[k]
                 ndt = np.float64 if p.dtype == torch.float64 else np.float32
                 z = gaussian_noise(
@@ -391,11 +417,41 @@ class DPOptimizer(torch.optim.Optimizer):
         noise = self._noise(self._releases)
         for g, row in zip(self._groups, noise):
             for k, z in zip(g.members, row):
+                if z is None:
+                    continue
                 p = self._params[k]
                 # Shared with torch without a copy on CPU; copied to the device otherwise.
                 z = z.to(device=p.device, dtype=p.dtype, non_blocking=True)
                 acc = self._acc[k]
                 self._acc[k] = z if acc is None else acc.add_(z)
+
+    @torch.no_grad()
+    def _discrete_noise(self) -> None:
+        """The discrete Gaussian groups' release (Canonne, Kamath & Steinke 2020): each part's
+        clipped sum, complete now, is rounded onto its grid and noised with N_ℤ in the core, then
+        divided by the denominator (see :class:`ReleasePlan`). The sum itself was formed on the
+        device in the parameters' float type, like the Gaussian one; the recorded sensitivity
+        c + √d grid steps covers rounding it, not that float summation."""
+        for gi, (g, plan) in enumerate(zip(self._groups, self._plans())):
+            if plan.mechanism == "gaussian":
+                continue
+            sums = []
+            for k in g.members:
+                acc = self._acc[k]
+                shape = tuple(self._params[k].shape)
+                sums.append(np.zeros(shape) if acc is None else acc.detach().to("cpu", torch.float64).numpy())
+            outs = discrete_sum_release(
+                sums,
+                l2_norm_clip=plan.l2_norm_clip,
+                noise_multiplier=plan.noise_multiplier or 0.0,
+                granularity=plan.granularity,
+                part_scales=plan.part_scales,
+                denominator=plan.denominator,
+                seed=derive_seed(self._seed, self._releases, gi, 0xD15C),
+            )
+            for k, o in zip(g.members, outs):
+                p = self._params[k]
+                self._acc[k] = torch.from_numpy(o).to(device=p.device, dtype=p.dtype)
 
     @torch.no_grad()
     def _release(self, write: Future) -> None:
@@ -458,6 +514,11 @@ class DPOptimizer(torch.optim.Optimizer):
                     self._discard()
                     raise
                 self._accumulate(b, factors)
+                try:
+                    self._discrete_noise()
+                except BaseException:
+                    self._discard()
+                    raise
             except BaseException:
                 self._pending = None
                 write.result()  # the entry stands (over-counting is the safe side); surface the error
@@ -475,7 +536,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _noised_plans(self, norm_states: List[Any]) -> List[Tuple[ReleasePlan, Any]]:
         return [
-            g.query.get_noised_plan(ns, g.gs, len(g.members), seed=derive_seed(self._seed, self._releases, gi, 0x5EED))
+            g.query.get_noised_plan(
+                ns, g.gs, len(g.members), seed=derive_seed(self._seed, self._releases, gi, 0x5EED), dim=g.dim
+            )
             for gi, (g, ns) in enumerate(zip(self._groups, norm_states))
         ]
 
