@@ -38,6 +38,7 @@ from .queries import (
     effective_noise_multiplier,
 )
 from .sampling import fixed_size_sample, poisson_sample
+from ._threads import limit_blas_spin
 
 __all__ = [
     "__version__",
@@ -48,6 +49,7 @@ __all__ = [
     "clip_sum",
     "record_norms",
     "gaussian_noise",
+    "limit_blas_spin",
     "poisson_sample",
     "fixed_size_sample",
     "PrivateAggregator",

@@ -33,26 +33,17 @@ from typing import Any, Dict, Iterable, Tuple, Type
 
 from ._validate import finite as _finite, integer as _int, real as _real
 
-__all__ = [
-    # sum-query events (McMahan et al. 2018, §6)
-    "SumQueryEvent",
-    "NonPrivateQueryEvent",
-    "ComposedQueryEvent",
-    "QueryEvent",
-    "compose_query_events",
+#: The sum-query events (McMahan et al. 2018, §6), re-exported by :mod:`dpcore.queries.events`.
+QUERY_EVENTS = (
+    "SumQueryEvent", "NonPrivateQueryEvent", "ComposedQueryEvent", "QueryEvent", "compose_query_events",
     "effective_noise_multiplier",
-    # accountant events (dp_accounting's vocabulary)
-    "Event",
-    "GaussianEvent",
-    "DiscreteGaussianEvent",
-    "PoissonSampledEvent",
-    "SampledWithoutReplacementEvent",
-    "TruncatedPoissonSampledEvent",
-    "SelfComposedEvent",
-    "ComposedEvent",
-    "NonPrivateEvent",
-    "event_from_dict",
-]
+)
+#: The accountant events (dp_accounting's vocabulary), re-exported by :mod:`dpcore.accounting`.
+ACCOUNTANT_EVENTS = (
+    "Event", "GaussianEvent", "DiscreteGaussianEvent", "PoissonSampledEvent", "SampledWithoutReplacementEvent",
+    "TruncatedPoissonSampledEvent", "SelfComposedEvent", "ComposedEvent", "NonPrivateEvent", "event_from_dict",
+)
+__all__ = [*QUERY_EVENTS, *ACCOUNTANT_EVENTS]
 
 
 # ============================================================================= sum-query events

@@ -89,6 +89,13 @@ fn refine<F: FnMut(f64) -> f64>(
     xg
 }
 
+/// The arguments every calibration over a number of steps shares.
+fn check_search(target_eps: f64, delta: f64, steps: f64, orders: &[f64]) -> DpResult<()> {
+    check_target(target_eps, delta)?;
+    check_steps(steps)?;
+    check_orders(orders)
+}
+
 /// Smallest noise multiplier with ε ≤ target (to 1e-6 relative).
 pub fn noise_multiplier(
     target_eps: f64,
@@ -97,9 +104,7 @@ pub fn noise_multiplier(
     steps: f64,
     orders: &[f64],
 ) -> DpResult<f64> {
-    check_target(target_eps, delta)?;
-    check_steps(steps)?;
-    check_orders(orders)?;
+    check_search(target_eps, delta, steps, orders)?;
     rdp_poisson::check_q(q, "sampling_probability")?;
     if q == 0.0 {
         return Ok(0.0);
@@ -167,9 +172,7 @@ pub fn sampling_probability(
     steps: f64,
     orders: &[f64],
 ) -> DpResult<f64> {
-    check_target(target_eps, delta)?;
-    check_steps(steps)?;
-    check_orders(orders)?;
+    check_search(target_eps, delta, steps, orders)?;
     rdp_poisson::check_z(z, "noise_multiplier")?;
     let lt = target_eps.ln();
     let eps = |q: f64| poisson_epsilon(q, z, steps, delta, orders);

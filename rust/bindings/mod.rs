@@ -114,11 +114,20 @@ fn grouped_records<'a>(
     Records::new(batch, parts).map_err(to_py)
 }
 
+/// A numpy array that takes over `v` (no copy).
+fn array<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyAny> {
+    PyArray1::from_vec(py, v).into_any().unbind()
+}
+
+fn f64_arrays(py: Python<'_>, vs: Vec<Vec<f64>>) -> Vec<Py<PyAny>> {
+    vs.into_iter().map(|v| array(py, v)).collect()
+}
+
 fn outputs(py: Python<'_>, outs: Vec<Output>) -> Vec<Py<PyAny>> {
     outs.into_iter()
         .map(|o| match o {
-            Output::F32(v) => PyArray1::from_vec(py, v).into_any().unbind(),
-            Output::F64(v) => PyArray1::from_vec(py, v).into_any().unbind(),
+            Output::F32(v) => array(py, v),
+            Output::F64(v) => array(py, v),
         })
         .collect()
 }
@@ -151,7 +160,7 @@ fn gaussian_sum_flat(
     })?;
     Ok((
         outputs(py, outs),
-        PyArray1::from_vec(py, norms).into_any().unbind(),
+        array(py, norms),
     ))
 }
 
@@ -171,11 +180,8 @@ fn clip_sum_groups(
     let rec = grouped_records(batch, &held, scales.as_deref(), Some(&groups))?;
     let out = detached(py, || clip::clip_sum_groups(&rec, &clips))?;
     Ok((
-        out.sums
-            .into_iter()
-            .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
-            .collect(),
-        PyArray1::from_vec(py, out.norms).into_any().unbind(),
+        f64_arrays(py, out.sums),
+        array(py, out.norms),
     ))
 }
 
@@ -254,10 +260,8 @@ fn discrete_gaussian_sum_flat(
         discrete_gaussian_sum(&rec, l2_norm_clip, noise_multiplier, granularity, denominator, seed)
     })?;
     Ok((
-        outs.into_iter()
-            .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
-            .collect(),
-        PyArray1::from_vec(py, norms).into_any().unbind(),
+        f64_arrays(py, outs),
+        array(py, norms),
         params_tuple(&p),
     ))
 }
@@ -278,11 +282,8 @@ fn clip_round_sum(
     let rec = records(batch, &held, scales.as_deref())?;
     let out = detached(py, || clip::clip_round_sum(&rec, l2_norm_clip, granularity, sens_sq))?;
     Ok((
-        out.sums
-            .into_iter()
-            .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
-            .collect(),
-        PyArray1::from_vec(py, out.norms).into_any().unbind(),
+        f64_arrays(py, out.sums),
+        array(py, out.norms),
         out.truncated,
     ))
 }
@@ -315,10 +316,7 @@ fn discrete_release(
     let grids: Vec<f64> = part_scales.iter().map(|a| a * p.granularity).collect();
     let seed = Seed::from_option(seed);
     let outs = detached(py, || release(&views, &grids, &p, denominator, seed, round_sums))?;
-    Ok(outs
-        .into_iter()
-        .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
-        .collect())
+    Ok(f64_arrays(py, outs))
 }
 
 /// The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,).
@@ -332,7 +330,7 @@ fn record_norms(
     let (batch, held) = hold(&arrays)?;
     let rec = records(batch, &held, scales.as_deref())?;
     let norms = detached(py, || clip::record_norms(&rec))?;
-    Ok(PyArray1::from_vec(py, norms).into_any().unbind())
+    Ok(array(py, norms))
 }
 
 /// Per array, the sum of squares of every record (float64 of shape (B,)), unscaled. Non-finite
@@ -348,10 +346,7 @@ fn part_sumsq(
     let (batch, held) = hold(&arrays)?;
     let rec = records(batch, &held, None)?;
     let sums = detached(py, || Ok(clip::part_sumsq(&rec, parallel)))?;
-    Ok(sums
-        .into_iter()
-        .map(|v| PyArray1::from_vec(py, v).into_any().unbind())
-        .collect())
+    Ok(f64_arrays(py, sums))
 }
 
 /// `n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread.
@@ -367,19 +362,9 @@ fn gaussian_flat(
 ) -> PyResult<Py<PyAny>> {
     let key = Seed::from_option(seed).key().map_err(to_py)?;
     Ok(if double {
-        PyArray1::from_vec(
-            py,
-            detached(py, || gaussian::<f64>(n, stddev, &key, parallel))?,
-        )
-        .into_any()
-        .unbind()
+        array(py, detached(py, || gaussian::<f64>(n, stddev, &key, parallel))?)
     } else {
-        PyArray1::from_vec(
-            py,
-            detached(py, || gaussian::<f32>(n, stddev, &key, parallel))?,
-        )
-        .into_any()
-        .unbind()
+        array(py, detached(py, || gaussian::<f32>(n, stddev, &key, parallel))?)
     })
 }
 
@@ -390,7 +375,7 @@ fn poisson_sample(py: Python<'_>, n: u64, q: f64, seed: Option<u64>) -> PyResult
     let v = detached(py, || {
         sampling::poisson_sample(n, q, Seed::from_option(seed))
     })?;
-    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+    Ok(array(py, v))
 }
 
 type RunTuple = (
@@ -449,7 +434,7 @@ fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyRes
     let v = detached(py, || {
         sampling::fixed_size_sample(n, b, Seed::from_option(seed))
     })?;
-    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+    Ok(array(py, v))
 }
 
 #[pymodule]

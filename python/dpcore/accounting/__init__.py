@@ -16,18 +16,8 @@ from .base import (
 )
 
 from .calibration import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
-from .events import (
-    ComposedEvent,
-    Event,
-    GaussianEvent,
-    DiscreteGaussianEvent,
-    NonPrivateEvent,
-    PoissonSampledEvent,
-    SampledWithoutReplacementEvent,
-    SelfComposedEvent,
-    TruncatedPoissonSampledEvent,
-    event_from_dict,
-)
+from .events import *  # noqa: F401,F403 (the accountant events, ACCOUNTANT_EVENTS)
+from ..events import ACCOUNTANT_EVENTS
 from .interop import from_dp_accounting, to_dp_accounting
 from .pld import PldAccountant
 from .rdp import (
@@ -46,16 +36,7 @@ __all__ = [
     "make_accountant",
     "ACCOUNTANTS",
     "DEFAULT_ACCOUNTANT",
-    "Event",
-    "GaussianEvent",
-    "DiscreteGaussianEvent",
-    "PoissonSampledEvent",
-    "SampledWithoutReplacementEvent",
-    "SelfComposedEvent",
-    "TruncatedPoissonSampledEvent",
-    "ComposedEvent",
-    "NonPrivateEvent",
-    "event_from_dict",
+    *ACCOUNTANT_EVENTS,
     "RdpAccountant",
     "OrderRangeWarning",
     "DEFAULT_ORDERS",

@@ -5,28 +5,7 @@ queries and the ledger); re-exported here so that ``dpcore.accounting.events`` k
 The vocabulary mirrors Google's ``dp_accounting`` (see :mod:`dpcore.accounting.interop`).
 """
 
-from ..events import (
-    ComposedEvent,
-    DiscreteGaussianEvent,
-    Event,
-    GaussianEvent,
-    NonPrivateEvent,
-    PoissonSampledEvent,
-    SampledWithoutReplacementEvent,
-    SelfComposedEvent,
-    TruncatedPoissonSampledEvent,
-    event_from_dict,
-)
+from ..events import *  # noqa: F401,F403 (the accountant events named below)
+from ..events import ACCOUNTANT_EVENTS
 
-__all__ = [
-    "Event",
-    "GaussianEvent",
-    "DiscreteGaussianEvent",
-    "PoissonSampledEvent",
-    "SampledWithoutReplacementEvent",
-    "TruncatedPoissonSampledEvent",
-    "SelfComposedEvent",
-    "ComposedEvent",
-    "NonPrivateEvent",
-    "event_from_dict",
-]
+__all__ = list(ACCOUNTANT_EVENTS)

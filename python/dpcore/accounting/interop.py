@@ -4,16 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .events import (
-    ComposedEvent,
-    Event,
-    GaussianEvent,
-    NonPrivateEvent,
-    PoissonSampledEvent,
-    SampledWithoutReplacementEvent,
-    SelfComposedEvent,
-    TruncatedPoissonSampledEvent,
-)
+from .events import ComposedEvent, Event, GaussianEvent, NonPrivateEvent, PoissonSampledEvent
+from .events import SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
 
 
 def _dpa() -> Any:

@@ -29,17 +29,8 @@ import math
 from typing import Dict, Optional, Tuple
 
 from .. import _core
-from ..events import (
-    ComposedEvent,
-    Event,
-    DiscreteGaussianEvent,
-    GaussianEvent,
-    NonPrivateEvent,
-    PoissonSampledEvent,
-    SampledWithoutReplacementEvent,
-    SelfComposedEvent,
-    TruncatedPoissonSampledEvent,
-)
+from ..events import ComposedEvent, Event, DiscreteGaussianEvent, GaussianEvent, NonPrivateEvent
+from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
 from .base import PrivacyAccountant, UnsupportedEventError, check_delta, check_epsilon
 from .rdp import _count, _effective_noise
 

@@ -33,16 +33,8 @@ import numpy as np
 
 from .. import _core
 from .base import PrivacyAccountant, UnsupportedEventError
-from .events import (
-    ComposedEvent,
-    DiscreteGaussianEvent,
-    Event,
-    GaussianEvent,
-    NonPrivateEvent,
-    PoissonSampledEvent,
-    SampledWithoutReplacementEvent,
-    SelfComposedEvent,
-)
+from .events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
+from .events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
 from .._validate import count as _count, real as _real
 
 #: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.

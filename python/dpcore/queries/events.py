@@ -10,20 +10,7 @@ noise added to the sum (§1 and §2 of the paper). The queries return these even
 Gaussian event with Eq. (1).
 """
 
-from ..events import (
-    ComposedQueryEvent,
-    NonPrivateQueryEvent,
-    QueryEvent,
-    SumQueryEvent,
-    compose_query_events,
-    effective_noise_multiplier,
-)
+from ..events import *  # noqa: F401,F403 (the query events named below)
+from ..events import QUERY_EVENTS
 
-__all__ = [
-    "SumQueryEvent",
-    "NonPrivateQueryEvent",
-    "ComposedQueryEvent",
-    "QueryEvent",
-    "compose_query_events",
-    "effective_noise_multiplier",
-]
+__all__ = list(QUERY_EVENTS)

@@ -96,6 +96,17 @@ pub struct Bounds {
     pub interval: f64,
 }
 
+impl Bounds {
+    /// Both bounds at `v`: a value known exactly (nothing released, or no privacy).
+    fn exact(v: f64, interval: f64) -> Self {
+        Bounds {
+            lower: v,
+            upper: v,
+            interval,
+        }
+    }
+}
+
 fn check_groups(groups: &[Group]) -> DpResult<()> {
     for g in groups {
         if !(0.0..=1.0).contains(&g.q) {
@@ -301,23 +312,11 @@ pub fn epsilon_bounds(
     check_delta(delta)?;
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
     match plan(groups)? {
-        Plan::Nothing => Ok(Bounds {
-            lower: 0.0,
-            upper: 0.0,
-            interval,
-        }),
-        Plan::NonPrivate => Ok(Bounds {
-            lower: f64::INFINITY,
-            upper: f64::INFINITY,
-            interval,
-        }),
+        Plan::Nothing => Ok(Bounds::exact(0.0, interval)),
+        Plan::NonPrivate => Ok(Bounds::exact(f64::INFINITY, interval)),
         Plan::Gaussian(s) => {
             let e = curve::gaussian_epsilon(s, delta);
-            Ok(Bounds {
-                lower: e,
-                upper: e,
-                interval,
-            })
+            Ok(Bounds::exact(e, interval))
         }
         Plan::Mixed(g) => {
             // Tails cut from the grids and windows add at most 2·1e-4·δ to δ.
@@ -393,16 +392,8 @@ pub fn delta_bounds(
     }
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
     match plan(groups)? {
-        Plan::Nothing => Ok(Bounds {
-            lower: 0.0,
-            upper: 0.0,
-            interval,
-        }),
-        Plan::NonPrivate => Ok(Bounds {
-            lower: 1.0,
-            upper: 1.0,
-            interval,
-        }),
+        Plan::Nothing => Ok(Bounds::exact(0.0, interval)),
+        Plan::NonPrivate => Ok(Bounds::exact(1.0, interval)),
         Plan::Gaussian(s) => {
             let d = curve::gaussian_delta(s, epsilon);
             Ok(Bounds {
