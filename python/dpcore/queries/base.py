@@ -132,7 +132,7 @@ class DPQuery:
     def accumulate_clipped(self, params: Any, sample_state: Any, sums: List[np.ndarray], norms: np.ndarray) -> Any:
         """The state :meth:`accumulate_records` would return, given the core's clipped sums of
         the :meth:`clip_job` (fresh float64 arrays shaped like one record's) and the norms (B,)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} has no clip_job; call accumulate_records")
 
     def gaussian_release(
         self, sample_state: Any, global_state: Any, *, seed: Optional[int] = None

@@ -116,19 +116,18 @@ class GaussianSumQuery(DPQuery):
         if job is not None:
             sums, norms = clip_sum(list(job.arrays), job.l2_norm_clip, scales=job.scales, dtype=np.float64)
             return self.accumulate_clipped(params, sample_state, list(sums), norms), norms
+        # The discrete Gaussian: each record rounded onto the grid, which depends on the clip
+        # actually used; the noise uses the stddev of the release.
         st = _state(sample_state)
         clip = positive("l2_norm_clip (sample params)", params)
         arrays, _ = _unpack(records)
         st.check_records(arrays)
-        if self._mechanism == "discrete_gaussian":
-            # The grid depends on the clip actually used; noise uses the stddev of the release.
-            dim = sum(int(s.size) for s in st.sums)
-            p = self._discrete(clip, self._stddev or clip, dim)
-            scales = None if self._scales is None else list(self._scales)
-            flat, norms, _ = _core.clip_round_sum(list(arrays), clip, p.granularity, p.sens_sq, scales)
-            sums = [f.reshape(s.shape) for f, s in zip(flat, st.sums)]
-            return st.added(sums, clip), norms
-        raise AssertionError("unreachable: clip_job covers the Gaussian mechanism")
+        dim = sum(int(s.size) for s in st.sums)
+        p = self._discrete(clip, self._stddev or clip, dim)
+        scales = None if self._scales is None else list(self._scales)
+        flat, norms, _ = _core.clip_round_sum(list(arrays), clip, p.granularity, p.sens_sq, scales)
+        sums = [f.reshape(s.shape) for f, s in zip(flat, st.sums)]
+        return st.added(sums, clip), norms
 
     def clip_job(self, params: Any, sample_state: Any, records: Any) -> Optional[ClipJob]:
         if self._mechanism != "gaussian":
