@@ -8,7 +8,8 @@
 use crate::clip::{check_clip, clip_round_sum, clip_sum, ClippedSum};
 use crate::discrete::{DiscreteParams, Rounding};
 use crate::error::{DpError, DpResult};
-use crate::noise::{build, check_stddev, noised_parts};
+use crate::noise::{check_stddev, noised_parts};
+use rayon::prelude::*;
 pub use crate::noise::Output;
 use crate::records::{Column, Records};
 use crate::rng::{chunk_rng, stream_id, Domain, Key, Seed};
@@ -151,9 +152,14 @@ pub fn discrete_release(
         if !(g.is_finite() && g > 0.0) {
             return Err(DpError::param("granularity", format!("part {k}: grid step {g} is not finite and > 0")));
         }
+        // An integer below 2⁵² survives the trip through i64 (a libm-free test: `fract` and
+        // `round` are library calls on baseline x86-64, and this loop runs over every value).
         let bad = s.iter().position(|&v| {
-            let k = if round_sums { (v / g).round() } else { v };
-            !(k.abs() <= GRID_SUM_LIMIT && (round_sums || k.fract() == 0.0))
+            if round_sums {
+                !((v / g).round().abs() <= GRID_SUM_LIMIT)
+            } else {
+                !(v.abs() <= GRID_SUM_LIMIT && (v as i64) as f64 == v)
+            }
         });
         if let Some(j) = bad {
             return Err(DpError::param(
@@ -167,32 +173,41 @@ pub fn discrete_release(
         }
     }
     let key = seed.key()?;
-    sums.iter()
-        .zip(grids)
-        .enumerate()
-        .map(|(k, (s, &g))| discrete_part(s, g, params, denom, &key, k, round_sums))
-        .collect()
+    let mut outs = Vec::with_capacity(sums.len());
+    for s in sums {
+        let mut v = crate::error::try_with_capacity(s.len())?;
+        v.extend_from_slice(s);
+        outs.push(v);
+    }
+    noise_in_place(&mut outs, grids, params, denom, &key, round_sums);
+    Ok(outs)
 }
 
-fn discrete_part(
-    sum: &[f64],
-    grid: f64,
+/// `discrete_release` over sums the caller owns, overwritten with the outputs (no check: the
+/// caller vouches that they are integers within range, or finite when `round_sums`).
+fn noise_in_place(
+    sums: &mut [Vec<f64>],
+    grids: &[f64],
     params: &DiscreteParams,
     denom: f64,
     key: &Key,
-    part: usize,
     round_sums: bool,
-) -> DpResult<Vec<f64>> {
-    let parallel = sum.len() > DISCRETE_CHUNK;
-    build(sum.len(), DISCRETE_CHUNK, parallel, |c, out| {
-        let base = &sum[c * DISCRETE_CHUNK..][..out.len()];
-        let mut rng = chunk_rng(key, stream_id(Domain::DiscreteNoise, part, c));
-        for (o, &v) in out.iter_mut().zip(base) {
-            let k = if round_sums { (v / grid).round() } else { v } as i64;
-            let y = params.noise.as_ref().map_or(0, |n| n.sample(&mut rng));
-            o.write((k + y) as f64 * grid / denom);
+) {
+    for (part, (sum, &grid)) in sums.iter_mut().zip(grids).enumerate() {
+        let work = |(c, out): (usize, &mut [f64])| {
+            let mut rng = chunk_rng(key, stream_id(Domain::DiscreteNoise, part, c));
+            for o in out.iter_mut() {
+                let k = if round_sums { (*o / grid).round() } else { *o } as i64;
+                let y = params.noise.as_ref().map_or(0, |n| n.sample(&mut rng));
+                *o = (k + y) as f64 * grid / denom;
+            }
+        };
+        if sum.len() > DISCRETE_CHUNK {
+            sum.par_chunks_mut(DISCRETE_CHUNK).enumerate().for_each(work);
+        } else {
+            sum.chunks_mut(DISCRETE_CHUNK).enumerate().for_each(work);
         }
-    })
+    }
 }
 
 /// The discrete Gaussian sum mechanism: records clipped to C, rounded onto γ·ℤ^d, summed exactly,
@@ -215,16 +230,18 @@ pub fn discrete_gaussian_sum(
         granularity,
         Rounding::PerRecord,
     )?;
-    check_denominator(denominator)?;
     let grids: Vec<f64> = records
         .parts
         .iter()
         .map(|p| params.granularity * p.scale)
         .collect();
-    let rounded = clip_round_sum(records, l2_norm_clip, params.granularity, params.sens_sq)?;
-    let views: Vec<&[f64]> = rounded.sums.iter().map(|v| v.as_slice()).collect();
-    let outs = discrete_release(&views, &grids, &params, denominator, seed, false)?;
-    Ok((outs, rounded.norms, params))
+    let denom = check_denominator(denominator)?;
+    let mut rounded = clip_round_sum(records, l2_norm_clip, params.granularity, params.sens_sq)?;
+    let key = seed.key()?;
+    // The rounded sums are integers below 2⁵² by construction (`clip_round_sum` checks the
+    // batch and grid against that range before summing).
+    noise_in_place(&mut rounded.sums, &grids, &params, denom, &key, false);
+    Ok((rounded.sums, rounded.norms, params))
 }
 
 #[cfg(test)]

@@ -180,8 +180,8 @@ def discrete_sum_release(
 
     Part j's sum (in the records' units, not divided) is rounded to the nearest point of the grid
     γ·α_j·ℤ^d, γ = ``granularity``; N_ℤ(0, σ²) is added to every coordinate in grid units, with
-    σ² ≥ (z·c)² and c = C/γ, sampled exactly from ChaCha20 (Canonne, Kamath & Steinke 2020,
-    Algorithm 3); the result is float64, divided by ``denominator``. Rounding a sum moves it by at
+    σ² ≥ (z·c)² and c = C/γ, the discrete Gaussian of Canonne, Kamath & Steinke 2020 sampled
+    exactly from ChaCha20 with integer arithmetic; the result is float64, divided by ``denominator``. Rounding a sum moves it by at
     most √d/2 grid steps, so neighbouring sums differ by at most c + √d steps after rounding: the
     sensitivity :func:`discrete_gaussian_params` gives with ``rounding="sum"``, which the ledger
     must record. ``seed``: tests and reproductions only.

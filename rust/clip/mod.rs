@@ -224,6 +224,16 @@ pub fn clip_sum(records: &Records, l2_norm_clip: f64) -> DpResult<ClippedSum> {
 /// clipping parameters per group). Group g's sums and norms are the bits `clip_sum` gives for
 /// that group alone. On error (a bound out of range, a non-finite record) nothing is returned.
 pub fn clip_sum_groups(records: &Records, clips: &[f64]) -> DpResult<ClippedSum> {
+    Ok(clip_accumulate(records, clips, Accumulate::Scaled)?.0)
+}
+
+/// The one pass of `clip_sum_groups`, with phase 2 as `mode` says; returns the sums, the norms
+/// and (for `Accumulate::Rounded`) each record's squared rounded norm as screened in f64.
+fn clip_accumulate(
+    records: &Records,
+    clips: &[f64],
+    mode: Accumulate,
+) -> DpResult<(ClippedSum, Vec<f64>)> {
     if clips.len() != records.groups() {
         return Err(DpError::param(
             "l2_norm_clip",
@@ -241,10 +251,10 @@ pub fn clip_sum_groups(records: &Records, clips: &[f64]) -> DpResult<ClippedSum>
         // takes the tiled path instead of waiting (waiting could deadlock a caller that is
         // itself a pool thread the running call needs).
         if let Ok(_only_one) = OWNED_PATH.try_lock() {
-            return clip_sum_owned(records, &layout, clips, &margins, threads);
+            return clip_sum_owned(records, &layout, clips, &margins, threads, mode);
         }
     }
-    clip_sum_tiled(records, &layout, clips, &margins)
+    clip_sum_tiled(records, &layout, clips, &margins, mode)
 }
 
 fn zero_sums(records: &Records) -> DpResult<Vec<Vec<f64>>> {
@@ -459,15 +469,16 @@ mod tests {
         let rec = Records::new(batch, parts).unwrap();
         let layout = Layout::new(&rec);
         let margin = [clip_margin(&rec, 0)];
-        let tiled = clip_sum_tiled(&rec, &layout, &[40.0], &margin).unwrap();
+        let tiled = clip_sum_tiled(&rec, &layout, &[40.0], &margin, Accumulate::Scaled).unwrap().0;
         for threads in [1usize, 2, 3, 7] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .unwrap();
             let owned = pool
-                .install(|| clip_sum_owned(&rec, &layout, &[40.0], &margin, threads))
-                .unwrap();
+                .install(|| clip_sum_owned(&rec, &layout, &[40.0], &margin, threads, Accumulate::Scaled))
+                .unwrap()
+                .0;
             assert_eq!(owned.sums, tiled.sums, "{threads} threads");
             assert_eq!(owned.norms, tiled.norms, "{threads} threads");
         }
@@ -485,7 +496,7 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(
-            pool.install(|| clip_sum_owned(&rec, &layout, &[1.0], &[0.0], 3))
+            pool.install(|| clip_sum_owned(&rec, &layout, &[1.0], &[0.0], 3, Accumulate::Scaled))
                 .unwrap_err(),
             DpError::NonFiniteRecord { index: 17 }
         );
@@ -535,15 +546,16 @@ mod tests {
         let layout = Layout::new(&rec);
         let margins: Vec<f64> = (0..4).map(|g| clip_margin(&rec, g)).collect();
         check(&clip_sum_groups(&rec, &clips).unwrap(), "dispatch");
-        check(&clip_sum_tiled(&rec, &layout, &clips, &margins).unwrap(), "tiled");
+        check(&clip_sum_tiled(&rec, &layout, &clips, &margins, Accumulate::Scaled).unwrap().0, "tiled");
         for threads in [1usize, 2, 3] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .unwrap();
             let owned = pool
-                .install(|| clip_sum_owned(&rec, &layout, &clips, &margins, threads))
-                .unwrap();
+                .install(|| clip_sum_owned(&rec, &layout, &clips, &margins, threads, Accumulate::Scaled))
+                .unwrap()
+                .0;
             check(&owned, &format!("owned, {threads} threads"));
         }
         let norms = record_norms(&rec).unwrap();

@@ -1,5 +1,6 @@
 //! Clipping onto the integer grid, for the discrete Gaussian mechanism (`crate::discrete`):
-//! each record is clipped as in `clip_sum`, divided by the grid step γ (times its part's scale α
+//! each record is clipped as in `clip_sum` (the same pass, with a rounding phase 2), divided by
+//! the grid step γ (times its part's scale α
 //! for joint clipping), rounded to the nearest integer per coordinate, and summed exactly.
 //!
 //! The sums are held in f64, where integers up to 2⁵³ are exact; the caller's batch and grid are
@@ -12,6 +13,7 @@
 use super::*;
 
 use crate::kernels::round_product;
+use schedule::Accumulate;
 
 const EXACT_LIMIT: f64 = (1u64 << 52) as f64;
 
@@ -102,68 +104,20 @@ pub fn clip_round_sum(
             "the rounded clipped sum takes records of one group".into(),
         ));
     }
-    let layout = Layout::new(records);
-    let blocks = &layout.blocks;
-    let nb = blocks.len();
-    let block_inv: Vec<f64> = blocks.iter().map(|b| inv[b.part]).collect();
-    let margin = clip_margin(records, 0);
-    let (step, par) = (tile_rows(records), use_parallel(records));
-    // ŝ ≤ s·(1 + (n+1)·2⁻⁵³) for a sum of n non-negative terms each rounded once; n ≤ d + nb.
+    let nb = column_blocks(records).len();
+    let (clipped, sq) = clip_accumulate(records, &[l2_norm_clip], Accumulate::Rounded(&inv))?;
+    let ClippedSum { mut sums, norms } = clipped;
+    // ŝ ≤ s·(1 + (n+1)·2⁻⁵³) for a sum of n non-negative terms each rounded once, in any order
+    // (the screen adds per-block or per-thread shares); n ≤ d + nb.
     let err = 2.0 * (records.dim() as f64 + nb as f64 + 8.0) * f64::EPSILON;
     let bound = (sens_sq as f64).next_down().next_down();
-    let mut sums = zero_sums(records)?;
-    let mut norms = Vec::with_capacity(records.batch);
-    let mut doubtful: Vec<(usize, f64)> = Vec::new();
-    {
-        let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
-        let mut r0 = 0;
-        while r0 < records.batch {
-            let r1 = (r0 + step).min(records.batch);
-            let rows = r1 - r0;
-            let tile = tile_norms(records, &layout, r0, r1, par)?;
-            let factors: Vec<f64> = tile
-                .iter()
-                .map(|&n| clip_factor(n, l2_norm_clip, margin))
-                .collect();
-            let mut partial = vec![0.0f64; rows * nb];
-            let work = |((a, b), (sq, &i)): ((&mut &mut [f64], &Block), (&mut [f64], &f64))| {
-                let p = &records.parts[b.part];
-                match p.data {
-                    Column::F32(x) => {
-                        let rows: Vec<(f64, &[f32])> = (0..rows)
-                            .map(|k| (factors[k] * i, row(x, p.width, r0 + k, b)))
-                            .collect();
-                        kernels::round_rows(a, &rows, sq)
-                    }
-                    Column::F64(x) => {
-                        let rows: Vec<(f64, &[f64])> = (0..rows)
-                            .map(|k| (factors[k] * i, row(x, p.width, r0 + k, b)))
-                            .collect();
-                        kernels::round_rows(a, &rows, sq)
-                    }
-                }
-            };
-            if par {
-                acc.par_iter_mut()
-                    .zip(blocks.par_iter())
-                    .zip(partial.par_chunks_mut(rows.max(1)).zip(block_inv.par_iter()))
-                    .for_each(work);
-            } else {
-                acc.iter_mut()
-                    .zip(blocks.iter())
-                    .zip(partial.chunks_mut(rows.max(1)).zip(block_inv.iter()))
-                    .for_each(work);
-            }
-            for (k, f) in factors.iter().enumerate() {
-                let s: f64 = (0..nb).map(|b| partial[b * rows + k]).sum();
-                if s * (1.0 + err) > bound {
-                    doubtful.push((r0 + k, *f));
-                }
-            }
-            norms.extend(tile);
-            r0 = r1;
-        }
-    }
+    let margin = clip_margin(records, 0);
+    let doubtful: Vec<(usize, f64)> = sq
+        .iter()
+        .enumerate()
+        .filter(|(_, &s)| s * (1.0 + err) > bound)
+        .map(|(r, _)| (r, clip_factor(norms[r], l2_norm_clip, margin)))
+        .collect();
     let mut truncated = 0;
     for (r, f) in doubtful {
         if exact_sq(records, r, f, &inv, false) <= sens_sq {
@@ -218,6 +172,45 @@ mod tests {
         }
         assert!(differ < w / 10, "{differ}");
         assert_eq!(out.truncated, 0);
+    }
+
+    #[test]
+    fn owned_and_tiled_paths_give_the_same_bits() {
+        let (batch, w) = (23, 40_000);
+        let x: Vec<f32> = (0..batch * w)
+            .map(|i| ((i * 7919 % 1013) as f32 / 506.0 - 1.0) * if i % 5 == 0 { 0.03 } else { 1.0 })
+            .collect();
+        let rec = Records::new(batch, vec![Part::new(Column::F32(&x), w)]).unwrap();
+        let inv = [4096.0];
+        let layout = Layout::new(&rec);
+        let margins = [clip_margin(&rec, 0)];
+        let mode = Accumulate::Rounded(&inv);
+        let (tiled, tiled_sq) = clip_sum_tiled(&rec, &layout, &[30.0], &margins, mode).unwrap();
+        assert_eq!(tiled_sq.len(), batch);
+        for threads in [1usize, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let (owned, sq) = pool
+                .install(|| clip_sum_owned(&rec, &layout, &[30.0], &margins, threads, mode))
+                .unwrap();
+            assert_eq!(owned.sums, tiled.sums, "{threads} threads");
+            assert_eq!(owned.norms, tiled.norms, "{threads} threads");
+            for (a, b) in sq.iter().zip(&tiled_sq) {
+                // The screen's order of addition may differ; its value may not, beyond rounding.
+                assert!((a - b).abs() <= 1e-12 * b, "{a} vs {b}");
+            }
+            let via_pool = pool.install(|| clip_round_sum(&rec, 30.0, 1.0 / 4096.0, u128::MAX >> 1));
+            assert_eq!(via_pool.unwrap().sums, tiled.sums, "{threads} threads");
+        }
+        // The screen is each rounded record's squared norm.
+        let f = clip_factor(tiled.norms[3], 30.0, margins[0]);
+        let exact: f64 = x[3 * w..4 * w]
+            .iter()
+            .map(|v| round_product(*v as f64, f * 4096.0).powi(2))
+            .sum();
+        assert!((tiled_sq[3] - exact).abs() <= 1e-12 * exact);
     }
 
     #[test]

@@ -144,7 +144,19 @@ pub(super) fn tile_factors(norms: &[f64], rows: usize, clips: &[f64], margins: &
         .collect()
 }
 
-/// acc += Σ_r f_r·x_r over the columns of `b`, for rows r0, r0 + 1, … (one per factor).
+/// What phase 2 adds into the sums for a tile's clipped rows.
+#[derive(Clone, Copy)]
+pub(super) enum Accumulate<'a> {
+    /// Σ_r f_r·x_r: the clipped sum.
+    Scaled,
+    /// Σ_r round(f_r·x_r·inv[part]): the clipped rows on the grid (inv[part] = 1/(γ·α_part)), in
+    /// grid units; each row's Σ round(·)² is added to its screen value (`rounded`).
+    Rounded(&'a [f64]),
+}
+
+/// acc += Σ_r f_r·x_r over the columns of `b`, for rows r0, r0 + 1, … (one per factor); rounded
+/// onto the grid with `Accumulate::Rounded`, which adds each row's squared norm into `sq`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn add_rows<T: Elem>(
     acc: &mut [f64],
     x: &[T],
@@ -152,8 +164,19 @@ pub(super) fn add_rows<T: Elem>(
     b: &Block,
     r0: usize,
     factors: &[f64],
+    mode: Accumulate,
+    sq: &mut [f64],
 ) {
-    let one = |i: usize| (factors[i], row(x, width, r0 + i, b));
+    // ×1.0 is exact: the clipped sum keeps its bits.
+    let unit = match mode {
+        Accumulate::Scaled => 1.0,
+        Accumulate::Rounded(inv) => inv[b.part],
+    };
+    let one = |i: usize| (factors[i] * unit, row(x, width, r0 + i, b));
+    let add = |rows: &[(f64, &[T])], acc: &mut [f64], sq: &mut [f64]| match mode {
+        Accumulate::Scaled => kernels::axpy_rows(acc, rows),
+        Accumulate::Rounded(_) => kernels::round_rows(acc, rows, sq),
+    };
     if factors.len() <= OWNED_TILE_ROWS {
         // The owned path's tiles: no allocation per call.
         let rows: [(f64, &[T]); OWNED_TILE_ROWS] = std::array::from_fn(|i| {
@@ -163,15 +186,35 @@ pub(super) fn add_rows<T: Elem>(
                 (0.0, &x[..0])
             }
         });
-        kernels::axpy_rows(acc, &rows[..factors.len()]);
+        add(&rows[..factors.len()], acc, sq);
     } else {
         let rows: Vec<(f64, &[T])> = (0..factors.len()).map(one).collect();
-        kernels::axpy_rows(acc, &rows);
+        add(&rows, acc, sq);
+    }
+}
+
+/// One block of phase 2 (rows r0.. with the block group's factors).
+#[allow(clippy::too_many_arguments)]
+fn accumulate_block(
+    records: &Records,
+    acc: &mut [f64],
+    b: &Block,
+    r0: usize,
+    factors: &[f64],
+    mode: Accumulate,
+    sq: &mut [f64],
+) {
+    let p = &records.parts[b.part];
+    match p.data {
+        Column::F32(x) => add_rows(acc, x, p.width, b, r0, factors, mode, sq),
+        Column::F64(x) => add_rows(acc, x, p.width, b, r0, factors, mode, sq),
     }
 }
 
 /// Phase 2 for rows [r0, r0 + rows): sums += Σ_r f_r·x_r, block by block, each block with its
-/// group's factors (group-major, `rows` per group).
+/// group's factors (group-major, `rows` per group); with `Accumulate::Rounded`, row r's squared
+/// rounded norm is added to sq[r − r0].
+#[allow(clippy::too_many_arguments)]
 pub(super) fn tile_accumulate(
     records: &Records,
     blocks: &[Block],
@@ -179,20 +222,37 @@ pub(super) fn tile_accumulate(
     r0: usize,
     rows: usize,
     factors: &[f64],
+    mode: Accumulate,
+    sq: &mut [f64],
     par: bool,
 ) {
-    let work = |(a, b): (&mut &mut [f64], &Block)| {
-        let p = &records.parts[b.part];
+    let rounded = matches!(mode, Accumulate::Rounded(_));
+    // Blocks run in parallel, so each keeps its rows' squared norms apart until the end.
+    let mut partial = vec![0.0f64; if rounded { rows * blocks.len() } else { 0 }];
+    let mut slots: Vec<&mut [f64]> = if rounded {
+        partial.chunks_mut(rows.max(1)).collect()
+    } else {
+        blocks.iter().map(|_| <&mut [f64]>::default()).collect()
+    };
+    let work = |((a, b), s): ((&mut &mut [f64], &Block), &mut &mut [f64])| {
         let f = &factors[b.group * rows..(b.group + 1) * rows];
-        match p.data {
-            Column::F32(x) => add_rows(a, x, p.width, b, r0, f),
-            Column::F64(x) => add_rows(a, x, p.width, b, r0, f),
-        }
+        accumulate_block(records, a, b, r0, f, mode, s)
     };
     if par {
-        acc.par_iter_mut().zip(blocks.par_iter()).for_each(work);
+        acc.par_iter_mut()
+            .zip(blocks.par_iter())
+            .zip(slots.par_iter_mut())
+            .for_each(work);
     } else {
-        acc.iter_mut().zip(blocks.iter()).for_each(work);
+        acc.iter_mut()
+            .zip(blocks.iter())
+            .zip(slots.iter_mut())
+            .for_each(work);
+    }
+    if rounded {
+        for (k, out) in sq.iter_mut().enumerate().take(rows) {
+            *out += (0..blocks.len()).map(|b| partial[b * rows + k]).sum::<f64>();
+        }
     }
 }
 
@@ -209,10 +269,12 @@ pub(super) fn clip_sum_tiled(
     layout: &Layout,
     clips: &[f64],
     margins: &[f64],
-) -> DpResult<ClippedSum> {
+    mode: Accumulate,
+) -> DpResult<(ClippedSum, Vec<f64>)> {
     let (step, par) = (tile_rows(records), use_parallel(records));
     let mut sums = zero_sums(records)?;
     let mut norms = GroupNorms::new(records);
+    let mut sq = vec![0.0f64; screen_len(records, mode)];
     {
         let mut acc: Vec<&mut [f64]> = sums.iter_mut().flat_map(|s| s.chunks_mut(BLOCK)).collect();
         debug_assert_eq!(acc.len(), layout.blocks.len());
@@ -221,15 +283,26 @@ pub(super) fn clip_sum_tiled(
             let r1 = (r0 + step).min(records.batch);
             let tile = tile_norms(records, layout, r0, r1, par)?;
             let factors = tile_factors(&tile, r1 - r0, clips, margins);
-            tile_accumulate(records, &layout.blocks, &mut acc, r0, r1 - r0, &factors, par);
+            let tile_sq = sq.get_mut(r0..r1).unwrap_or_default();
+            let blocks = &layout.blocks;
+            tile_accumulate(records, blocks, &mut acc, r0, r1 - r0, &factors, mode, tile_sq, par);
             norms.extend(&tile, r1 - r0);
             r0 = r1;
         }
     }
-    Ok(ClippedSum {
+    let sums = ClippedSum {
         sums,
         norms: norms.into_flat(),
-    })
+    };
+    Ok((sums, sq))
+}
+
+/// Rows of the squared-norm screen: one per record when rounding, none otherwise.
+fn screen_len(records: &Records, mode: Accumulate) -> usize {
+    match mode {
+        Accumulate::Scaled => 0,
+        Accumulate::Rounded(_) => records.batch,
+    }
 }
 
 pub(super) static OWNED_PATH: Mutex<()> = Mutex::new(());
@@ -288,17 +361,20 @@ pub(super) fn clip_sum_owned(
     clips: &[f64],
     margins: &[f64],
     threads: usize,
-) -> DpResult<ClippedSum> {
+    mode: Accumulate,
+) -> DpResult<(ClippedSum, Vec<f64>)> {
     let blocks = &layout.blocks;
     let (batch, nb, ng) = (records.batch, blocks.len(), layout.groups.len());
     let rows = OWNED_TILE_ROWS;
     let mut sums = zero_sums(records)?;
     let partials: Vec<AtomicU64> = (0..2 * rows * nb).map(|_| AtomicU64::new(0)).collect();
     let barrier = SpinBarrier::new(threads);
-    let norms = {
+    let (norms, sq) = {
         let runs = owned_runs(&mut sums, blocks, threads);
-        let work = |t: usize| -> DpResult<Vec<f64>> {
+        let work = |t: usize| -> DpResult<(Vec<f64>, Vec<f64>)> {
             let mut mine = runs[t].lock().unwrap_or_else(|e| e.into_inner());
+            // This thread's columns' share of each row's squared rounded norm.
+            let mut sq = vec![0.0f64; screen_len(records, mode)];
             let (k0, k1) = (t * nb / threads, (t + 1) * nb / threads);
             let mut norms = GroupNorms::new(records);
             // Group-major, OWNED_TILE_ROWS per group.
@@ -314,7 +390,7 @@ pub(super) fn clip_sum_owned(
                 }
                 if !barrier.wait() {
                     // Another thread panicked; its panic is re-raised below, this value unread.
-                    return Ok(Vec::new());
+                    return Ok((Vec::new(), Vec::new()));
                 }
                 for r in r0..r1 {
                     let row = &buf[(r - r0) * nb..][..nb];
@@ -335,13 +411,11 @@ pub(super) fn clip_sum_owned(
                         len: run.acc.len(),
                     };
                     let f = &factors[p.group * rows..][..r1 - r0];
-                    match p.data {
-                        Column::F32(x) => add_rows(run.acc, x, p.width, &b, r0, f),
-                        Column::F64(x) => add_rows(run.acc, x, p.width, &b, r0, f),
-                    }
+                    let tile_sq = sq.get_mut(r0..r1).unwrap_or_default();
+                    accumulate_block(records, run.acc, &b, r0, f, mode, tile_sq);
                 }
             }
-            Ok(norms.into_flat())
+            Ok((norms.into_flat(), sq))
         };
         let results = rayon::broadcast(|ctx| {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx.index())));
@@ -358,8 +432,16 @@ pub(super) fn clip_sum_owned(
             }
         }
         // Every thread computed the same norms and the same error, if any; thread 0 (a broadcast
-        // always has one) kept the norms.
-        outcomes.swap_remove(0)?
+        // always has one) kept the norms. The screen adds the threads' shares in thread order.
+        let mut shares = Vec::with_capacity(outcomes.len());
+        for o in outcomes {
+            shares.push(o?);
+        }
+        let (norms, mut sq) = shares.remove(0);
+        for (_, other) in &shares {
+            sq.iter_mut().zip(other).for_each(|(a, b)| *a += b);
+        }
+        (norms, sq)
     };
-    Ok(ClippedSum { sums, norms })
+    Ok((ClippedSum { sums, norms }, sq))
 }
