@@ -11,7 +11,7 @@ import sys
 import textwrap
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from typing import Any, Tuple
 
 import pytest
@@ -327,38 +327,20 @@ def test_sigkill_mid_run_loses_no_released_step(tmp_path, kill_after, mode):
 # ----------------------------------------------------------------------------- to_event (fake accountant)
 
 
-@dataclass(frozen=True)
-class GaussianEvent:
-    noise_multiplier: float
+def _fake_event(name: str, *fields: Tuple[str, Any]) -> type:
+    """A bare frozen dataclass with the fields of the dpcore.accounting event of that name."""
+    return make_dataclass(name, list(fields), frozen=True)
 
 
-@dataclass(frozen=True)
-class PoissonSampledEvent:
-    sampling_probability: float
-    event: Any
-
-
-@dataclass(frozen=True)
-class SampledWithoutReplacementEvent:
-    source_size: int
-    sample_size: int
-    event: Any
-
-
-@dataclass(frozen=True)
-class SelfComposedEvent:
-    event: Any
-    count: int
-
-
-@dataclass(frozen=True)
-class ComposedEvent:
-    events: Tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class NonPrivateEvent:
-    pass
+# The event contract of dpcore.accounting, without its validation: fields only.
+GaussianEvent = _fake_event("GaussianEvent", ("noise_multiplier", float))
+PoissonSampledEvent = _fake_event("PoissonSampledEvent", ("sampling_probability", float), ("event", Any))
+SampledWithoutReplacementEvent = _fake_event(
+    "SampledWithoutReplacementEvent", ("source_size", int), ("sample_size", int), ("event", Any)
+)
+SelfComposedEvent = _fake_event("SelfComposedEvent", ("event", Any), ("count", int))
+ComposedEvent = _fake_event("ComposedEvent", ("events", Tuple[Any, ...]))
+NonPrivateEvent = _fake_event("NonPrivateEvent")
 
 
 @pytest.fixture

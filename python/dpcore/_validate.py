@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable, List, Tuple, TypeVar
+
+T = TypeVar("T")
 
 INT_LIMIT = 1 << 63
 
@@ -34,6 +36,14 @@ def positive(name: str, v: Any, *, allow_zero: bool = False) -> float:
     return x
 
 
+def probability(name: str, v: Any) -> float:
+    """A real in [0, 1] (NaN is not)."""
+    x = real(name, v)
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {x}")
+    return x
+
+
 def nonnegative(name: str, v: Any) -> float:
     return positive(name, v, allow_zero=True)
 
@@ -53,3 +63,16 @@ def count(name: str, v: Any, lo: int = 0) -> int:
     if n >= INT_LIMIT:
         raise ValueError(f"{name} must be < 2**63, got {n}")
     return n
+
+
+def parts(value: Any, what: str, convert: Callable[[Any, int], T]) -> Tuple[List[T], type]:
+    """The parts of an array-or-sequence argument, each through ``convert(part, index)``, and the
+    container type to give results back in (list or tuple, or numpy's ndarray for one array)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) == 0:
+            raise ValueError(f"{what} is an empty sequence; give one array per record part")
+        kind: type = type(value) if type(value) in (list, tuple) else list
+        return [convert(v, k) for k, v in enumerate(value)], kind
+    import numpy as np  # only here: the rest of this module needs nothing but the standard library
+
+    return [convert(value, 0)], np.ndarray

@@ -9,12 +9,13 @@ released step, even after a crash.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, List, Optional
 
 import numpy as np
 
 from .ledger import FIXED_SIZE, POISSON, PrivacyLedger
+from ._attrs import readonly
+from ._validate import count, integer, probability
 from .queries.base import DPQuery
 from .sampling import fixed_size_sample, poisson_sample
 
@@ -78,25 +79,17 @@ class PrivateAggregator:
             raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.ledger.PrivacyLedger, got {type(ledger).__name__}")
-        if isinstance(population_size, bool) or not isinstance(population_size, numbers.Integral):
-            raise TypeError(f"population_size must be an int, got {type(population_size).__name__}")
-        if population_size < 1:
-            raise ValueError(f"population_size must be >= 1, got {population_size}")
+        population_size = count("population_size", population_size, 1)
         if policy == POISSON:
             if sampling_probability is None:
                 raise ValueError("policy 'poisson' needs sampling_probability")
             if sample_size is not None:
                 raise ValueError("sample_size is for policy 'fixed_size_without_replacement'; poisson samples vary in size")
-            if isinstance(sampling_probability, bool) or not isinstance(sampling_probability, numbers.Real):
-                raise TypeError(f"sampling_probability must be a real number, got {type(sampling_probability).__name__}")
-            if not 0.0 <= float(sampling_probability) <= 1.0:
-                raise ValueError(f"sampling_probability must be in [0, 1], got {sampling_probability}")
+            probability("sampling_probability", sampling_probability)
         elif policy == FIXED_SIZE:
             if sample_size is None:
                 raise ValueError("policy 'fixed_size_without_replacement' needs sample_size")
-            if isinstance(sample_size, bool) or not isinstance(sample_size, numbers.Integral):
-                raise TypeError(f"sample_size must be an int, got {type(sample_size).__name__}")
-            if not 0 <= sample_size <= population_size:
+            if not 0 <= integer("sample_size", sample_size) <= population_size:
                 raise ValueError(f"sample_size must be in [0, population_size={population_size}], got {sample_size}")
             if sampling_probability is not None and float(sampling_probability) != sample_size / population_size:
                 raise ValueError("sampling_probability must be None or sample_size/population_size")
@@ -114,17 +107,9 @@ class PrivateAggregator:
         self._global_state = query.initial_global_state()
         self._open: Optional[int] = None  # size of the drawn, not yet aggregated sample
 
-    @property
-    def query(self) -> DPQuery:
-        return self._query
-
-    @property
-    def ledger(self) -> PrivacyLedger:
-        return self._ledger
-
-    @property
-    def global_state(self) -> Any:
-        return self._global_state
+    query = readonly[DPQuery]("_query", "The query whose releases this aggregator makes.")
+    ledger = readonly[PrivacyLedger]("_ledger", "The ledger every sample and release is written to.")
+    global_state = readonly[Any]("_global_state", "The query's global state for the next sample.")
 
     def metrics(self) -> dict:
         """The query's metrics of the current global state (e.g. an adaptive clip norm)."""

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Iterable, Tuple, Type
 
-from ._validate import finite as _finite, integer as _int, real as _real
+from ._validate import count as _count, finite as _finite, integer as _int, probability as _probability, real as _real
 
 #: The sum-query events (McMahan et al. 2018, §6), re-exported by :mod:`dpcore.queries.events`.
 QUERY_EVENTS = (
@@ -268,6 +268,15 @@ class DiscreteGaussianEvent(Event):
         _set_noise_multiplier(self)
 
 
+def _settle(wrapper: Any, **values: Any) -> None:
+    """Checks that a wrapping event's ``event`` is an Event, then stores its validated fields
+    (frozen dataclasses: through object.__setattr__)."""
+    if not isinstance(wrapper.event, Event):
+        raise TypeError(f"event must be an Event, got {type(wrapper.event).__name__}")
+    for name, value in values.items():
+        object.__setattr__(wrapper, name, value)
+
+
 @dataclass(frozen=True)
 class PoissonSampledEvent(Event):
     """``event`` run on a Poisson sample: each record included independently with probability
@@ -277,12 +286,7 @@ class PoissonSampledEvent(Event):
     event: Event
 
     def __post_init__(self) -> None:
-        q = _real("sampling_probability", self.sampling_probability)
-        if not 0 <= q <= 1:
-            raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
-        if not isinstance(self.event, Event):
-            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
-        object.__setattr__(self, "sampling_probability", q)
+        _settle(self, sampling_probability=_probability("sampling_probability", self.sampling_probability))
 
 
 @dataclass(frozen=True)
@@ -295,16 +299,11 @@ class SampledWithoutReplacementEvent(Event):
     event: Event
 
     def __post_init__(self) -> None:
-        n = _int("source_size", self.source_size)
+        n = _count("source_size", self.source_size, 1)
         m = _int("sample_size", self.sample_size)
-        if n < 1:
-            raise ValueError(f"source_size must be >= 1, got {n}")
         if not 0 <= m <= n:
             raise ValueError(f"sample_size must be in [0, source_size={n}], got {m}")
-        if not isinstance(self.event, Event):
-            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
-        object.__setattr__(self, "source_size", n)
-        object.__setattr__(self, "sample_size", m)
+        _settle(self, source_size=n, sample_size=m)
 
 
 @dataclass(frozen=True)
@@ -327,21 +326,12 @@ class TruncatedPoissonSampledEvent(Event):
     event: Event
 
     def __post_init__(self) -> None:
-        q = _real("sampling_probability", self.sampling_probability)
-        if not 0 <= q <= 1:
-            raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
-        b = _int("max_sample_size", self.max_sample_size)
-        n = _int("population_size", self.population_size)
-        if b < 1:
-            raise ValueError(f"max_sample_size must be >= 1, got {b}")
-        if n < 1:
-            raise ValueError(f"population_size must be >= 1, got {n}")
+        q = _probability("sampling_probability", self.sampling_probability)
+        b = _count("max_sample_size", self.max_sample_size, 1)
+        n = _count("population_size", self.population_size, 1)
         if b > n:
             raise ValueError(f"max_sample_size must be <= population_size={n}, got {b}")
-        if not isinstance(self.event, Event):
-            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
-        object.__setattr__(self, "sampling_probability", q)
-        object.__setattr__(self, "max_sample_size", b)
+        _settle(self, sampling_probability=q, max_sample_size=b, population_size=n)
         object.__setattr__(self, "population_size", n)
 
 
@@ -356,9 +346,7 @@ class SelfComposedEvent(Event):
         c = _int("count", self.count)
         if c < 0:
             raise ValueError(f"count must be >= 0, got {c}")
-        if not isinstance(self.event, Event):
-            raise TypeError(f"event must be an Event, got {type(self.event).__name__}")
-        object.__setattr__(self, "count", c)
+        _settle(self, count=c)
 
 
 @dataclass(frozen=True)

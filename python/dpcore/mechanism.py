@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ._validate import real as _real
+from ._validate import parts as _parts, real as _real
 from . import _core
 
 ArrayLike = Any
@@ -67,14 +67,7 @@ def _float_array(a: ArrayLike, k: int) -> np.ndarray:
 
 def _unpack(grads: Grads) -> Tuple[List[np.ndarray], type]:
     """The arrays of a batch, and the container type to give results back in."""
-    if isinstance(grads, (list, tuple)):
-        if len(grads) == 0:
-            raise ValueError("grads is an empty sequence; give at least one array of records")
-        arrays = [_float_array(a, k) for k, a in enumerate(grads)]
-        kind: type = type(grads) if type(grads) in (list, tuple) else list
-    else:
-        arrays = [_float_array(grads, 0)]
-        kind = np.ndarray
+    arrays, kind = _parts(grads, "grads", _float_array)
     batch = arrays[0].shape[0]
     for k, a in enumerate(arrays[1:], start=1):
         if a.shape[0] != batch:

@@ -14,10 +14,11 @@ largest integer that fits.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 from .. import _core
 from .base import DEFAULT_ACCOUNTANT, check_accountant
+from .._validate import probability
 from .rdp import _count, _orders, _real
 
 
@@ -51,12 +52,55 @@ def _illinois(f, xb: float, fb: float, xg: float, fg: float, rel: float) -> floa
     return xg
 
 
+def _pld_boundary(
+    eps_at: Callable[[float], float],
+    x0: float,
+    target: float,
+    toward_safety: int,
+    log_cap: float = math.inf,
+) -> float:
+    """The x on the safe side (ε ≤ ``target``) of the PLD boundary ε(x) = target, to 1e-5
+    relative. From ``x0`` (the RDP answer, nearly always safe under the tighter PLD) it steps
+    toward safety until safe, brackets the boundary by steps of 0.7 in log x the other way, narrows
+    it by the Illinois method and verifies the result, nudging it two ulps toward safety at most
+    eight times. ``toward_safety`` is +1 when ε falls as x grows (the noise multiplier), −1 when it
+    rises (the sampling probability); ``log_cap`` bounds log x from above."""
+    lt = math.log(target)
+
+    def g(lx: float) -> float:
+        return math.log(max(eps_at(math.exp(lx)), 1e-300)) - lt
+
+    lg = math.log(x0)
+    fg = g(lg)
+    while fg > 0:
+        lg += 0.05 * toward_safety
+        fg = g(lg)
+    lb = min(lg - 0.7 * toward_safety, log_cap)
+    fb = g(lb)
+    while fb <= 0:
+        lg, fg = lb, fb
+        lb = min(lb - 0.7 * toward_safety, log_cap)
+        if lb < -40:
+            return math.exp(lg)
+        fb = g(lb)
+    x = min(math.exp(_illinois(g, lb, fb, lg, fg, 1e-5)), math.exp(log_cap))
+    away = math.inf if toward_safety > 0 else 0.0
+    for _ in range(8):
+        if eps_at(x) <= target:
+            return x
+        x = math.nextafter(math.nextafter(x, away), away)
+    raise RuntimeError("calibration failed to verify the target (please report)")
+
+
 def _no_orders(accountant: str, orders) -> None:
     if accountant == "pld" and orders is not None:
         raise ValueError("orders are an RDP setting; pass accountant='rdp' to use them")
 
 
-def _target(eps: float, delta: float):
+def _target(eps: float, delta: float, accountant: str, orders) -> Tuple[float, float]:
+    """The checked (ε, δ) target of a calibration, once its accountant and orders are valid."""
+    check_accountant(accountant)
+    _no_orders(accountant, orders)
     e = _real("target_epsilon", eps)
     d = _real("target_delta", delta)
     if not e > 0:
@@ -67,10 +111,7 @@ def _target(eps: float, delta: float):
 
 
 def _q(q: float) -> float:
-    q = _real("sampling_probability", q)
-    if not 0 <= q <= 1:
-        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
-    return q
+    return probability("sampling_probability", q)
 
 
 def _z(z: float) -> float:
@@ -100,37 +141,14 @@ def calibrate_noise_multiplier(
     such that ``steps`` Poisson-subsampled Gaussian steps have ε ≤ ``target_epsilon`` at
     ``target_delta`` under ``accountant`` ("pld": Doroshenko et al. 2022; "rdp": MTZ 2019 §3
     with CKS 2020 Prop. 12)."""
-    e, d = _target(target_epsilon, target_delta)
-    check_accountant(accountant)
-    _no_orders(accountant, orders)
+    e, d = _target(target_epsilon, target_delta, accountant, orders)
     q, t = _q(sampling_probability), _steps(steps)
     z_rdp = _core.calibrate_noise_multiplier(e, d, q, float(t), _orders(orders).tolist())
     if accountant == "rdp" or q == 0.0:
         return z_rdp
-    lt = math.log(e)
-
-    def g(lz: float) -> float:
-        return math.log(max(_pld_eps(q, math.exp(lz), t, d), 1e-300)) - lt
-
-    # z_rdp meets the target under PLD too (PLD is tighter); step up if discretisation says not.
-    lg = math.log(z_rdp)
-    fg = g(lg)
-    while fg > 0:
-        lg += 0.05
-        fg = g(lg)
-    lb, fb = lg - 0.7, g(lg - 0.7)
-    while fb <= 0:
-        lg, fg = lb, fb
-        lb -= 0.7
-        if lb < -40:
-            return math.exp(lg)
-        fb = g(lb)
-    z = math.exp(_illinois(g, lb, fb, lg, fg, 1e-5))
-    for _ in range(8):
-        if _pld_eps(q, z, t, d) <= e:
-            return z
-        z = math.nextafter(math.nextafter(z, math.inf), math.inf)
-    raise RuntimeError("calibration failed to verify the target (please report)")
+    # z_rdp meets the target under PLD too (PLD is tighter); the search steps up if
+    # discretisation says not.
+    return _pld_boundary(lambda z: _pld_eps(q, z, t, d), z_rdp, e, toward_safety=1)
 
 
 def calibrate_sampling_probability(
@@ -144,9 +162,7 @@ def calibrate_sampling_probability(
 ) -> float:
     """Largest sampling probability q (to 1e-6 relative under RDP, 1e-5 under PLD, rounded
     down; 1.0 if every q fits) with ε ≤ ``target_epsilon`` under ``accountant``."""
-    e, d = _target(target_epsilon, target_delta)
-    check_accountant(accountant)
-    _no_orders(accountant, orders)
+    e, d = _target(target_epsilon, target_delta, accountant, orders)
     z, t = _z(noise_multiplier), _steps(steps)
     q_rdp = _core.calibrate_sampling_probability(e, d, z, float(t), _orders(orders).tolist())
     if accountant == "rdp":
@@ -155,28 +171,7 @@ def calibrate_sampling_probability(
         return 1.0
     if q_rdp == 0.0:
         return 0.0
-    lt = math.log(e)
-
-    def g(lq: float) -> float:
-        return math.log(max(_pld_eps(min(math.exp(lq), 1.0), z, t, d), 1e-300)) - lt
-
-    lg = math.log(q_rdp)
-    fg = g(lg)
-    while fg > 0:
-        lg -= 0.05
-        fg = g(lg)
-    lb = min(lg + 0.7, 0.0)
-    fb = g(lb)
-    while fb <= 0:
-        lg, fg = lb, fb
-        lb = min(lb + 0.7, 0.0)
-        fb = g(lb)
-    q = min(math.exp(_illinois(g, lb, fb, lg, fg, 1e-5)), 1.0)
-    for _ in range(8):
-        if _pld_eps(q, z, t, d) <= e:
-            return q
-        q = math.nextafter(math.nextafter(q, 0.0), 0.0)
-    raise RuntimeError("calibration failed to verify the target (please report)")
+    return _pld_boundary(lambda q: _pld_eps(min(q, 1.0), z, t, d), q_rdp, e, toward_safety=-1, log_cap=0.0)
 
 
 def calibrate_steps(
@@ -191,9 +186,7 @@ def calibrate_steps(
     """Largest number of steps (0 if none fits; searched up to 2^53) with ε ≤
     ``target_epsilon`` under ``accountant`` (RDP: MTZ 2019 §3, Mironov 2017 Prop. 1, CKS 2020
     Prop. 12; PLD: Doroshenko et al. 2022)."""
-    e, d = _target(target_epsilon, target_delta)
-    check_accountant(accountant)
-    _no_orders(accountant, orders)
+    e, d = _target(target_epsilon, target_delta, accountant, orders)
     q, z = _q(sampling_probability), _z(noise_multiplier)
     s_rdp = int(_core.calibrate_steps(e, d, q, z, _orders(orders).tolist()))
     if accountant == "rdp":

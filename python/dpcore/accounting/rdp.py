@@ -35,7 +35,7 @@ from .. import _core
 from .base import PrivacyAccountant, UnsupportedEventError
 from .events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
 from .events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
-from .._validate import count as _count, real as _real
+from .._validate import count as _count, probability, real as _real
 
 #: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
 DEFAULT_ORDERS: Tuple[float, ...] = tuple(_core.default_rdp_orders())
@@ -84,10 +84,8 @@ def _warn_edge(at_edge: bool, order: float, orders: np.ndarray) -> None:
 
 def _step_params(sampling_probability: Any, noise_multiplier: Any) -> Tuple[float, float]:
     """(q, z) of one sampled step, validated: q in [0, 1], z >= 0."""
-    q = _real("sampling_probability", sampling_probability)
+    q = probability("sampling_probability", sampling_probability)
     z = _real("noise_multiplier", noise_multiplier)
-    if not 0 <= q <= 1:
-        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
     if not z >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {z}")
     return q, z
@@ -282,32 +280,30 @@ class RdpAccountant(PrivacyAccountant):
                 key = (q, inner.noise_multiplier)
                 discrete[key] = discrete.get(key, 0) + count
         elif isinstance(e, PoissonSampledEvent):
-            if self._neighboring != "add_or_remove":
-                raise UnsupportedEventError(
-                    f"RdpAccountant cannot analyse {e!r} under neighboring='replace_one': Poisson sampling is analysed "
-                    "under 'add_or_remove' (RdpAccountant() or PldAccountant())"
-                )
-            z = self._inner_noise(e.event, "PoissonSampledEvent", flags)
-            if z is not None:
-                key = (e.sampling_probability, z)
-                poisson[key] = poisson.get(key, 0) + count
+            why = "Poisson sampling is analysed under 'add_or_remove' (RdpAccountant() or PldAccountant())"
+            self._tally_sampled(e, "add_or_remove", why, e.sampling_probability, poisson, count, flags)
         elif isinstance(e, SampledWithoutReplacementEvent):
-            if self._neighboring != "replace_one":
-                raise UnsupportedEventError(
-                    f"RdpAccountant cannot analyse {e!r} under neighboring='add_or_remove': sampling without "
-                    "replacement is analysed under RdpAccountant(neighboring='replace_one')"
-                )
-            if isinstance(e.event, DiscreteGaussianEvent):
-                raise UnsupportedEventError(
-                    "RdpAccountant cannot analyse the discrete Gaussian on samples drawn without replacement (the "
-                    "analysis used there is specific to the continuous Gaussian); use Poisson sampling"
-                )
-            z = self._inner_noise(e.event, "SampledWithoutReplacementEvent", flags)
-            if z is not None:
-                key = (e.sample_size / e.source_size, z)
-                wor[key] = wor.get(key, 0) + count
+            why = "sampling without replacement is analysed under RdpAccountant(neighboring='replace_one')"
+            self._tally_sampled(e, "replace_one", why, e.sample_size / e.source_size, wor, count, flags)
         else:
             raise UnsupportedEventError(f"RdpAccountant cannot analyse {type(e).__name__} events")
+
+    def _tally_sampled(self, e: Any, relation: str, why: str, q: float, into: dict, count: int, flags: dict) -> None:
+        """Counts a sampled Gaussian step into ``into`` under key (q, z), once its neighbouring
+        relation is the one its analysis needs. (A Poisson-sampled discrete Gaussian never gets
+        here: it has its own branch.)"""
+        if self._neighboring != relation:
+            raise UnsupportedEventError(
+                f"RdpAccountant cannot analyse {e!r} under neighboring={self._neighboring!r}: {why}"
+            )
+        if isinstance(e.event, DiscreteGaussianEvent):
+            raise UnsupportedEventError(
+                "RdpAccountant cannot analyse the discrete Gaussian on samples drawn without replacement (the "
+                "analysis used there is specific to the continuous Gaussian); use Poisson sampling"
+            )
+        z = self._inner_noise(e.event, type(e).__name__, flags)
+        if z is not None:
+            into[(q, z)] = into.get((q, z), 0) + count
 
     @staticmethod
     def _inner_noise(inner: Event, outer: str, flags: dict) -> Optional[float]:
@@ -415,14 +411,9 @@ def epsilon(
     (Mironov 2017 Prop. 1), converted with CKS 2020 Prop. 12 over ``orders`` (default
     :data:`DEFAULT_ORDERS`) and continuously between them.
     """
-    q = _real("sampling_probability", sampling_probability)
-    z = _real("noise_multiplier", noise_multiplier)
+    q, z = _step_params(sampling_probability, noise_multiplier)
     s = _count("steps", steps)
     d = _delta(delta)
-    if not 0 <= q <= 1:
-        raise ValueError(f"sampling_probability must be in [0, 1], got {q}")
-    if not z >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
     from .base import check_accountant
 
     check_accountant(accountant)

@@ -35,6 +35,7 @@ import os
 import warnings
 from typing import Any, List, Optional, Tuple
 
+from .._attrs import readonly
 from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_accountant
 from ..events import SelfComposedEvent
 from ._events import check_neighboring, rdp_relation_error, samples_to_event
@@ -228,14 +229,8 @@ class PrivacyLedger:
 
     # -- reading and accounting -----------------------------------------------------------
 
-    @property
-    def path(self) -> str:
-        return self._path
-
-    @property
-    def privacy_unit(self) -> str:
-        """What one record is ("example" unless the ledger was created with another unit)."""
-        return self._unit
+    path = readonly[str]("_path", "The ledger file.")
+    privacy_unit = readonly[str]("_unit", 'What one record is ("example" unless the ledger was created with another unit).')
 
     @property
     def samples(self) -> Tuple[LedgerSample, ...]:

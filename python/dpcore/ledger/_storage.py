@@ -8,14 +8,13 @@ Every value is validated before anything is written; on bad input nothing is wri
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _core
-from .._validate import count as _int
+from .._validate import count as _int, probability
 from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier, is_discrete
 
 FORMAT = "dpcore-privacy-ledger"
@@ -88,12 +87,7 @@ class LedgerSample:
 
 
 def _prob(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"sampling_probability must be a real number, got {type(v).__name__}")
-    v = float(v)
-    if not 0.0 <= v <= 1.0:  # also rejects NaN
-        raise ValueError(f"sampling_probability must be in [0, 1], got {v}")
-    return v
+    return probability("sampling_probability", v)
 
 
 def _sample_entry(

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import _core
 from ..mechanism import _seed
-from .._validate import nonnegative, positive  # noqa: F401 (the queries import them from here)
+from .._validate import nonnegative, parts, positive  # noqa: F401 (the queries import them from here)
 
 
 class DPQuery:
@@ -272,14 +272,7 @@ class SumState:
 
     @staticmethod
     def from_template(template: Any) -> "SumState":
-        if isinstance(template, (list, tuple)):
-            if len(template) == 0:
-                raise ValueError("template is an empty sequence; give one array per record part")
-            specs = [_spec(t, k) for k, t in enumerate(template)]
-            kind: type = type(template) if type(template) in (list, tuple) else list
-        else:
-            specs = [_spec(template, 0)]
-            kind = np.ndarray
+        specs, kind = parts(template, "template", _spec)
         return SumState(
             tuple(np.zeros(s, np.float64) for s, _ in specs), tuple(d for _, d in specs), kind, None
         )

@@ -11,11 +11,12 @@ multiplier of plain DP-SGD, give the inner query a stddev of 2·z·C (the 4σ²C
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .._attrs import readonly
+from .._validate import count
 from .base import DPQuery
 from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent
 
@@ -76,10 +77,7 @@ class MicrobatchQuery(DPQuery):
     def __init__(self, query: DPQuery, microbatch_size: int, *, example_level_privacy: bool = True) -> None:
         if not isinstance(query, DPQuery):
             raise TypeError(f"query must be a DPQuery, got {type(query).__name__}")
-        if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, numbers.Integral):
-            raise TypeError(f"microbatch_size must be an int, got {type(microbatch_size).__name__}")
-        if microbatch_size < 1:
-            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+        microbatch_size = count("microbatch_size", microbatch_size, 1)
         if not isinstance(example_level_privacy, bool):
             raise TypeError("example_level_privacy must be a bool")
         self._inner = query
@@ -89,19 +87,11 @@ class MicrobatchQuery(DPQuery):
     def __repr__(self) -> str:
         return f"MicrobatchQuery({self._inner!r}, microbatch_size={self._k}, sensitivity_factor={self._factor})"
 
-    @property
-    def microbatch_size(self) -> int:
-        return self._k
-
-    @property
-    def inner(self) -> DPQuery:
-        """The wrapped query, which sees microbatch averages as its records."""
-        return self._inner
-
-    @property
-    def sensitivity_factor(self) -> float:
-        """2 when example-level privacy is claimed for microbatches of more than one example."""
-        return self._factor
+    microbatch_size = readonly[int]("_k", "Examples averaged into each microbatch record.")
+    inner = readonly[DPQuery]("_inner", "The wrapped query, which sees microbatch averages as its records.")
+    sensitivity_factor = readonly[float](
+        "_factor", "2 when example-level privacy is claimed for microbatches of more than one example."
+    )
 
     def initial_global_state(self) -> Any:
         return self._inner.initial_global_state()

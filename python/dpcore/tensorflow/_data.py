@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from .._attrs import readonly
 from .._validate import real as _real
 from ..queries.base import derive_seed
 from ..sampling import poisson_sample
@@ -92,13 +93,8 @@ class PoissonBatches(tf.keras.utils.PyDataset):
         self._n, self._q, self._steps, self._seed = n, q, int(steps), seed
         derive_seed(seed, 0)  # validates the seed now rather than on the first batch
 
-    @property
-    def population_size(self) -> int:
-        return self._n
-
-    @property
-    def sampling_probability(self) -> float:
-        return self._q
+    population_size = readonly[int]("_n", "n, the number of examples sampled from.")
+    sampling_probability = readonly[float]("_q", "q, each example's inclusion probability per batch.")
 
     @property
     def expected_batch_size(self) -> float:

@@ -31,7 +31,7 @@ from ..ledger import LedgerWarning, PrivacyLedger
 from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
 from ..queries.base import derive_seed
 from ._data import PoissonBatches
-from .._validate import positive as _number
+from .._validate import count, positive as _number
 
 __all__ = ["DPModel", "make_private", "CLIPPING"]
 
@@ -446,15 +446,10 @@ def make_private_with_epsilon(
     :func:`dpcore.accounting.calibrate_noise_multiplier`, Abadi et al. 2016 Algorithm 1). The
     chosen σ is ``dp_model.noise_multiplier`` when the model exposes it, and is always the one
     the ledger records."""
-    import numbers
-
     from .. import accounting
 
     clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
-    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral):
-        raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    epochs = count("epochs", epochs, 1)
     q = float(sampling_probability)
     if not 0.0 < q <= 1.0:
         raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability}")

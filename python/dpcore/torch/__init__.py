@@ -31,6 +31,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader
 
+from .._validate import count
 from ..ledger import PrivacyLedger
 from ._data import DPDataLoader
 from ._distributed import DistributedError, current_communicator, resolve_ledger
@@ -170,14 +171,9 @@ class _ShuffledLoader:
 
 def _calibrated_noise(target_epsilon: Any, target_delta: Any, epochs: Any, q: float, accountant: str) -> Tuple[float, int]:
     """(σ, steps) for ``epochs`` expected passes of round(1/q) Poisson steps each."""
-    import numbers
-
     from .. import accounting
 
-    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral):
-        raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    epochs = count("epochs", epochs, 1)
     steps = int(epochs) * max(1, round(1.0 / q))
     z = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant=accountant)
     return z, steps
