@@ -10,43 +10,14 @@ Run: python benches/bench_accounting.py [--repeats N]
 
 import argparse
 import statistics
-import time
 
-import dp_accounting as dpa
-from dp_accounting import mechanism_calibration as mc
 from dp_accounting.rdp import rdp_privacy_accountant as R
 
 import dpcore.accounting as A
+from _accountants import dpa_calibrate, dpa_epsilon, dpcore_epsilon
+from _timing import median_time
 
 CASES = [(0.01, 1.1, 1000, 1e-5), (0.04, 1.5, 2250, 1e-5), (0.001, 0.8, 10**5, 1e-6), (1e-4, 5.0, 10**4, 1e-5)]
-
-
-def median_time(f, repeats):
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
-def theirs_eps(q, z, steps, delta):
-    acc = R.RdpAccountant()
-    acc.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), steps)
-    return acc.get_epsilon(delta)
-
-
-def ours_eps(q, z, steps, delta):
-    acc = A.RdpAccountant()
-    acc.compose(A.PoissonSampledEvent(q, A.GaussianEvent(z)), steps)
-    return acc.get_epsilon(delta)
-
-
-def theirs_calibrate(q, steps, eps, delta, tol):
-    def make(z):
-        return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), steps)
-
-    return mc.calibrate_dp_mechanism(R.RdpAccountant, make, eps, delta, mc.LowerEndpointAndGuess(0.0, 1.0), tol=tol)
 
 
 def main():
@@ -58,13 +29,13 @@ def main():
     print(f"{'q':>8} {'z':>5} {'steps':>7} {'delta':>6} | {'dpcore':>8} {'dp_acc':>8} {'ratio':>6} | eps dpcore / dp_accounting")
     ratios = []
     for q, z, steps, delta in CASES:
-        ours_eps(q, z, steps, delta)  # warm-up
-        t_o = median_time(lambda: ours_eps(q, z, steps, delta), r)
-        t_t = median_time(lambda: theirs_eps(q, z, steps, delta), max(3, r // 3))
+        dpcore_epsilon(A.RdpAccountant, q, z, steps, delta)  # warm-up
+        t_o = median_time(lambda: dpcore_epsilon(A.RdpAccountant, q, z, steps, delta), r)
+        t_t = median_time(lambda: dpa_epsilon(R.RdpAccountant, q, z, steps, delta), max(3, r // 3))
         ratios.append(t_t / t_o)
         print(
             f"{q:>8g} {z:>5g} {steps:>7d} {delta:>6g} | {t_o * 1e3:>8.3f} {t_t * 1e3:>8.2f} {t_t / t_o:>6.1f} | "
-            f"{ours_eps(q, z, steps, delta):.6f} / {theirs_eps(q, z, steps, delta):.6f}"
+            f"{dpcore_epsilon(A.RdpAccountant, q, z, steps, delta):.6f} / {dpa_epsilon(R.RdpAccountant, q, z, steps, delta):.6f}"
         )
     print(f"   median speed-up: {statistics.median(ratios):.1f}x (target >= 30x)")
 
@@ -75,8 +46,8 @@ def main():
         z_o = A.calibrate_noise_multiplier(eps, delta, q, steps, accountant="rdp")
         t_o = median_time(lambda: A.calibrate_noise_multiplier(eps, delta, q, steps, accountant="rdp"), r)
         tol = 1e-6 * z_o
-        t_t = median_time(lambda: theirs_calibrate(q, steps, eps, delta, tol), 3)
-        z_t = theirs_calibrate(q, steps, eps, delta, tol)
+        t_t = median_time(lambda: dpa_calibrate(R.RdpAccountant, q, steps, eps, delta, 0.0, tol), 3)
+        z_t = dpa_calibrate(R.RdpAccountant, q, steps, eps, delta, 0.0, tol)
         ratios.append(t_t / t_o)
         print(f"{q:>8g} {steps:>7d} {eps:>4g} | {t_o * 1e3:>8.2f} {t_t * 1e3:>9.1f} {t_t / t_o:>6.1f} | {z_o:.7f} / {z_t:.7f}")
     print(f"   median speed-up: {statistics.median(ratios):.1f}x (target >= 30x)")

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import dpcore
+from _timing import alternating_blocks, call_times
 
 C, Z = 1.0, 1.1
 
@@ -43,20 +44,12 @@ def timings(fn, repeats):
         fn()
         if i >= 2 and time.perf_counter() - t > 0.1:
             break
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return ts
+    return call_times(fn, repeats)
 
 
 def median_times(fns, repeats, blocks=3):
     """Median seconds per contender, timed in `blocks` alternating blocks of `repeats` calls."""
-    ts = {k: [] for k in fns}
-    for _ in range(blocks):
-        for k, fn in fns.items():
-            ts[k] += timings(fn, repeats)
+    ts = alternating_blocks(fns, blocks, lambda fn: timings(fn, repeats))
     return {k: float(np.median(v)) for k, v in ts.items()}
 
 

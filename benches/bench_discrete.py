@@ -12,22 +12,13 @@ Run: python benches/bench_discrete.py [--repeats N] [--quick]
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import dpcore
+from _timing import alternating_blocks, call_times
 
 C, Z = 1.0, 1.1
-
-
-def block(fn, n):
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def main() -> None:
@@ -46,12 +37,9 @@ def main() -> None:
             "discrete, noise only (B = 0)": lambda: dpcore.clip_noise(empty, C, Z, mechanism="discrete_gaussian"),
             "continuous, noise only (B = 0)": lambda: dpcore.clip_noise(empty, C, Z),
         }
-        times = {k: [] for k in runs}
         for f in runs.values():
             f()
-        for _ in range(a.repeats):
-            for k, f in runs.items():
-                times[k] += block(f, 5)
+        times = alternating_blocks(runs, a.repeats, lambda f: call_times(f, 5))
         med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
         p = dpcore.discrete_gaussian_params(C, Z, shape[1])
         print(f"\nclip_noise float32 {shape}, C={C}, z={Z}; grid γ = 2^{np.log2(p.granularity):.0f}, "

@@ -12,38 +12,21 @@ Run: python benches/bench_pld.py [--repeats N]
 """
 
 import argparse
+import functools
 import resource
 import statistics
-import time
 
-import dp_accounting as dpa
-from dp_accounting import mechanism_calibration as mc
 from dp_accounting.pld import pld_privacy_accountant as P
 
 import dpcore.accounting as A
+from _accountants import dpa_calibrate, dpa_epsilon, dpcore_epsilon
+from _timing import median_time_and_result
 
 CASES = [(256 / 60000, 1.1, 2340, 1e-5), (0.001, 0.8, 1000, 1e-5), (0.01, 4.0, 10000, 1e-5), (1e-4, 0.8, 100000, 1e-6)]
 
 
-def median_time(f, repeats):
-    ts, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
-
-
-def theirs(q, z, t, d):
-    a = P.PLDAccountant(value_discretization_interval=1e-4)
-    a.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), t)
-    return a.get_epsilon(d)
-
-
-def ours(q, z, t, d):
-    a = A.PldAccountant()
-    a.compose(A.PoissonSampledEvent(q, A.GaussianEvent(z)), t)
-    return a.get_epsilon(d)
+# dp_accounting's PLD accountant as the comparison uses it
+DPA_PLD = functools.partial(P.PLDAccountant, value_discretization_interval=1e-4)
 
 
 def main():
@@ -54,8 +37,8 @@ def main():
     print(f"{'q':>10} {'z':>5} {'steps':>7} {'delta':>6} | {'RDP eps':>8} {'dpa eps':>8} {'dpcore':>8} {'lower':>8} | {'dpa ms':>8} {'ours ms':>8} {'ratio':>6}")
     ratios = []
     for q, z, t, d in CASES:
-        ta, ea = median_time(lambda: theirs(q, z, t, d), max(1, r // 2))
-        to, eo = median_time(lambda: ours(q, z, t, d), r)
+        ta, ea = median_time_and_result(lambda: dpa_epsilon(DPA_PLD, q, z, t, d), max(1, r // 2))
+        to, eo = median_time_and_result(lambda: dpcore_epsilon(A.PldAccountant, q, z, t, d), r)
         a = A.PldAccountant().compose(A.PoissonSampledEvent(q, A.GaussianEvent(z)), t)
         lo, _ = a.get_epsilon_bounds(d)
         rdp = A.epsilon(q, z, t, d, accountant="rdp")
@@ -65,17 +48,9 @@ def main():
     print(f"median speed ratio: {statistics.median(ratios):.1f}x (target >= 20x)")
 
     print("\n2. calibrate sigma: eps=1, delta=1e-5, q=0.004, 250 steps")
-    to, zo = median_time(lambda: A.calibrate_noise_multiplier(1.0, 1e-5, 0.004, 250), r)
+    to, zo = median_time_and_result(lambda: A.calibrate_noise_multiplier(1.0, 1e-5, 0.004, 250), r)
 
-    def dpa_cal():
-        def make(z):
-            return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.004, dpa.GaussianDpEvent(z)), 250)
-
-        return mc.calibrate_dp_mechanism(
-            lambda: P.PLDAccountant(value_discretization_interval=1e-4), make, 1.0, 1e-5,
-            mc.LowerEndpointAndGuess(0.3, 1.0), tol=1e-5)
-
-    ta, za = median_time(dpa_cal, 1)
+    ta, za = median_time_and_result(lambda: dpa_calibrate(DPA_PLD, 0.004, 250, 1.0, 1e-5, 0.3, 1e-5), 1)
     print(f"dpcore z={zo:.5f} in {to:.3f} s; dp_accounting z={za:.5f} in {ta:.2f} s; ratio {ta/to:.1f}x "
           f"(targets: <= 0.5 s, >= 20x); RDP z={A.calibrate_noise_multiplier(1.0, 1e-5, 0.004, 250, accountant='rdp'):.5f}")
 
@@ -87,7 +62,7 @@ def main():
             a.compose(A.PoissonSampledEvent(0.002 + 0.0001 * i, A.GaussianEvent(0.9 + 0.005 * i)), 1000)
         return a.get_epsilon(1e-5)
 
-    tl, el = median_time(ledger, max(1, r // 2))
+    tl, el = median_time_and_result(ledger, max(1, r // 2))
     print(f"eps={el:.4f} in {tl:.2f} s (target <= 2 s)")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak resident memory of this process: {peak:.0f} MiB (includes dp_accounting and numpy)")

@@ -3,28 +3,23 @@ next to a non-private baseline; ε at δ = 1e-5 from the ledger. ``python exampl
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
-import warnings
+import sys
 
-import numpy as np
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # loaded from its file by another program (the tests): _common.py is beside it
+    sys.path.insert(0, _HERE)
+
+from _common import digits, parser, quiet_epsilon, report_dp_sgd, temp_ledger  # noqa: E402
 
 
 def main(small: bool = False) -> dict:
     import tensorflow as tf
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
-    import dpcore
     from dpcore.tensorflow import PoissonBatches, make_private
 
     tf.random.set_seed(0)
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0)
-    if small:
-        xtr, ytr = xtr[:300], ytr[:300]
+    xtr, xte, ytr, yte = digits(300 if small else None)
     epochs = 2 if small else 10
 
     def model():
@@ -36,8 +31,7 @@ def main(small: bool = False) -> dict:
     base.compile(tf.keras.optimizers.SGD(0.5), loss)
     base.fit(xtr, ytr, batch_size=64, epochs=epochs, verbose=0)
 
-    path = os.path.join(tempfile.mkdtemp(prefix="dpcore-tf-"), "ledger.jsonl")
-    ledger = dpcore.PrivacyLedger(path)
+    ledger, path = temp_ledger("dpcore-tf-")
     q = 64 / len(xtr)
     dp = model()
     # fit() on the wrapper trains `dp` itself; each step clips, noises and records in the core
@@ -50,15 +44,9 @@ def main(small: bool = False) -> dict:
         return float((m(xte).numpy().argmax(1) == yte).mean())
 
     res = {"baseline_accuracy": acc(base), "dp_accuracy": acc(dp), "steps": ledger.num_releases}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # accounting notices are not what the example shows
-        res["epsilon"] = private.get_epsilon(1e-5)
-    print(f"non-private accuracy {res['baseline_accuracy']:.3f} | DP-SGD accuracy {res['dp_accuracy']:.3f} "
-          f"| eps = {res['epsilon']} at delta = 1e-5 after {res['steps']} steps (ledger {path})")
-    return res
+    res["epsilon"] = quiet_epsilon(private.get_epsilon)
+    return report_dp_sgd(res, path)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--small", action="store_true")
-    main(ap.parse_args().small)
+    main(parser().parse_args().small)

@@ -6,25 +6,22 @@ from the privacy ledger. ``python examples/torch_digits.py [--small]``.
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
-import warnings
+import sys
 
-import torch
-from torch import nn
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # loaded from its file by another program (the tests): _common.py is beside it
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+from _common import digits, parser, quiet_epsilon, report_dp_sgd, temp_ledger  # noqa: E402
+from torch import nn  # noqa: E402
 
 
 def load(small: bool):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x / 16.0, dtype=torch.float32)
-    y = torch.tensor(y, dtype=torch.long)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0)
-    if small:
-        xtr, ytr = xtr[:400], ytr[:400]
+    xtr, xte, ytr, yte = digits(400 if small else None)
+    xtr, xte = torch.tensor(xtr), torch.tensor(xte)
+    ytr, yte = torch.tensor(ytr, dtype=torch.long), torch.tensor(yte, dtype=torch.long)
     return torch.utils.data.TensorDataset(xtr, ytr), (xte, yte)
 
 
@@ -38,7 +35,6 @@ def accuracy(m: nn.Module, test) -> float:
 
 
 def main(small: bool = False, epochs: int = 0) -> dict:
-    import dpcore
     from dpcore.torch import make_private
 
     torch.manual_seed(0)
@@ -54,8 +50,7 @@ def main(small: bool = False, epochs: int = 0) -> dict:
             nn.functional.cross_entropy(base(x), y).backward()
             opt.step()
 
-    path = os.path.join(tempfile.mkdtemp(prefix="dpcore-digits-"), "ledger.jsonl")
-    ledger = dpcore.PrivacyLedger(path)
+    ledger, path = temp_ledger("dpcore-digits-")
     dp = model()
     dp, dp_opt, dp_loader = make_private(dp, torch.optim.SGD(dp.parameters(), lr=0.5), loader,
                                          noise_multiplier=1.1, max_grad_norm=1.0, ledger=ledger)
@@ -67,17 +62,12 @@ def main(small: bool = False, epochs: int = 0) -> dict:
             dp_opt.step()
     res = {"baseline_accuracy": accuracy(base, test), "dp_accuracy": accuracy(dp, test),
            "steps": ledger.num_releases}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # accounting notices are not what the example shows
-        res["epsilon"] = dp_opt.get_epsilon(1e-5)
-    print(f"non-private accuracy {res['baseline_accuracy']:.3f} | DP-SGD accuracy {res['dp_accuracy']:.3f} "
-          f"| eps = {res['epsilon']} at delta = 1e-5 after {res['steps']} steps (ledger {path})")
-    return res
+    res["epsilon"] = quiet_epsilon(dp_opt.get_epsilon)
+    return report_dp_sgd(res, path)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--small", action="store_true")
+    ap = parser()
     ap.add_argument("--epochs", type=int, default=0)
     a = ap.parse_args()
     main(a.small, a.epochs)

@@ -11,12 +11,15 @@ round; ε is for user-level adjacency (adding or removing one user's whole data)
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
-import warnings
+import sys
 
-import numpy as np
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # loaded from its file by another program (the tests): _common.py is beside it
+    sys.path.insert(0, _HERE)
+
+import numpy as np  # noqa: E402
+from _common import parser, quiet_epsilon, temp_ledger  # noqa: E402
 
 
 def population(users: int, d: int, rng: np.random.Generator):
@@ -56,8 +59,7 @@ def main(small: bool = False) -> dict:
     n = len(train)
     q = 50 / n
     clip, z, server_lr = 0.5, 1.0, 1.0
-    path = os.path.join(tempfile.mkdtemp(prefix="dpcore-fedavg-"), "ledger.jsonl")
-    ledger = dpcore.PrivacyLedger(path)
+    ledger, path = temp_ledger("dpcore-fedavg-")
     agg = dpcore.PrivateAggregator(dpcore.GaussianAverageQuery(clip, z * clip, q * n), ledger, n, q)
     w = np.zeros(d)
     for _ in range(rounds):
@@ -69,15 +71,11 @@ def main(small: bool = False) -> dict:
     for _ in range(rounds):
         wb = wb + np.mean([local_update(wb, *u) for u in train], axis=0)
     res = {"dp_accuracy": accuracy(w, test), "baseline_accuracy": accuracy(wb, test), "rounds": ledger.num_releases}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # accounting notices are not what the example shows
-        res["epsilon"] = ledger.get_epsilon(1e-5)
+    res["epsilon"] = quiet_epsilon(ledger.get_epsilon)
     print(f"users {n}, rounds {rounds}: non-private FedAvg accuracy {res['baseline_accuracy']:.3f} | DP-FedAvg "
           f"{res['dp_accuracy']:.3f} | user-level eps = {res['epsilon']} at delta = 1e-5 (ledger {path})")
     return res
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--small", action="store_true")
-    main(ap.parse_args().small)
+    main(parser().parse_args().small)

@@ -1,0 +1,47 @@
+"""Timing helpers shared by the bench scripts (``python benches/bench_x.py`` puts this folder on
+sys.path, so they ``import _timing``).
+
+Only the call being measured lies between the two clock reads: each result is dropped as soon as
+the call returns, as a bare ``fn()`` statement would.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def call_times(fn, n):
+    """Seconds taken by each of `n` successive calls of `fn`."""
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def median_time(fn, repeats):
+    """Median seconds of `repeats` calls of `fn`."""
+    return statistics.median(call_times(fn, repeats))
+
+
+def median_time_and_result(fn, repeats):
+    """(median seconds of `repeats` calls of `fn`, the result of the last call)."""
+    last = [None]
+
+    def call():
+        last[0] = fn()
+
+    return statistics.median(call_times(call, repeats)), last[0]
+
+
+def alternating_blocks(fns, blocks, time_block):
+    """Seconds per contender, timed in `blocks` rounds that take each contender of the dict `fns` in
+    turn, so that a change in the machine's speed part-way falls on every contender alike.
+    `time_block(fn)` times one block of calls of `fn` and returns its list of seconds."""
+    ts = {k: [] for k in fns}
+    for _ in range(blocks):
+        for k, fn in fns.items():
+            ts[k] += time_block(fn)
+    return ts
