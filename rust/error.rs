@@ -27,6 +27,16 @@ impl DpError {
     }
 }
 
+/// `Ok(())` where `ok` holds, else the parameter error "`name`: must be `rule`, got `value`".
+/// Write `ok` so that NaN fails it (e.g. `x >= 0.0`, not `!(x < 0.0)`).
+pub fn require(ok: bool, name: &'static str, rule: &str, value: impl fmt::Display) -> DpResult<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(DpError::param(name, format!("must be {rule}, got {value}")))
+    }
+}
+
 impl fmt::Display for DpError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

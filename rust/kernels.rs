@@ -13,17 +13,24 @@ const LANES: usize = 8;
 /// on the latency of the previous one (one vector made the norm pass compute-bound).
 const SUMSQ_LANES: usize = 32;
 
+/// Folds the whole chunks of `N` values of `x` into `N` lanes, `acc[l] = step(acc[l], v)` with
+/// lane l taking values l, l + N, l + 2N, … in order; returns the lanes and the partial chunk.
 #[inline(always)]
-fn sumsq_generic<T: Elem>(x: &[T]) -> f64 {
-    let mut acc = [0.0f64; SUMSQ_LANES];
-    let chunks = x.chunks_exact(SUMSQ_LANES);
+fn fold_lanes<T: Elem, const N: usize>(x: &[T], step: impl Fn(f64, f64) -> f64) -> ([f64; N], &[T]) {
+    let mut acc = [0.0f64; N];
+    let chunks = x.chunks_exact(N);
     let rem = chunks.remainder();
     for c in chunks {
-        for l in 0..SUMSQ_LANES {
-            let v = c[l].to_f64();
-            acc[l] = v.mul_add(v, acc[l]);
+        for l in 0..N {
+            acc[l] = step(acc[l], c[l].to_f64());
         }
     }
+    (acc, rem)
+}
+
+#[inline(always)]
+fn sumsq_generic<T: Elem>(x: &[T]) -> f64 {
+    let (acc, rem) = fold_lanes::<T, SUMSQ_LANES>(x, |a, v| v.mul_add(v, a));
     sumsq_finish(acc, rem)
 }
 
@@ -45,20 +52,31 @@ fn sumsq_finish<T: Elem>(mut acc: [f64; SUMSQ_LANES], rem: &[T]) -> f64 {
     acc[0]
 }
 
-/// `acc[j] += f_r * x_r[j]` for the rows of one group, in row order, loading and storing `acc`
-/// once per group.
+/// The factors of one group of G rows, and its rows cut to the `n` columns of the sum.
 #[inline(always)]
-fn axpy_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])]) {
-    let n = acc.len();
-    let f: [f64; G] = std::array::from_fn(|i| g[i].0);
-    let x: [&[T]; G] = std::array::from_fn(|i| &g[i].1[..n]);
-    for j in 0..n {
+fn group<'a, T: Elem, const G: usize>(g: &[(f64, &'a [T])], n: usize) -> ([f64; G], [&'a [T]; G]) {
+    (std::array::from_fn(|i| g[i].0), std::array::from_fn(|i| &g[i].1[..n]))
+}
+
+/// `acc[j] += f_i * x_i[j]` for the rows of one group, in row order, over the columns `from..`:
+/// all of them in the generic kernel, those past the last whole vector in the explicit one.
+#[inline(always)]
+fn axpy_columns<T: Elem, const G: usize>(acc: &mut [f64], f: &[f64; G], x: &[&[T]; G], from: usize) {
+    for j in from..acc.len() {
         let mut a = acc[j];
         for i in 0..G {
             a = f[i].mul_add(x[i][j].to_f64(), a);
         }
         acc[j] = a;
     }
+}
+
+/// `acc[j] += f_r * x_r[j]` for the rows of one group, in row order, loading and storing `acc`
+/// once per group.
+#[inline(always)]
+fn axpy_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])]) {
+    let (f, x) = group::<T, G>(g, acc.len());
+    axpy_columns(acc, &f, &x, 0);
 }
 
 /// Runs a row-group kernel over rows taken eight, then four, then one at a time, so that `acc`
@@ -104,15 +122,7 @@ fn axpy_rows_generic<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
 #[inline(always)]
 fn all_finite_generic<T: Elem>(x: &[T]) -> bool {
     // x - x is 0 for finite x and NaN otherwise; a running sum keeps the loop branch-free.
-    let mut acc = [0.0f64; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for l in 0..LANES {
-            let v = c[l].to_f64();
-            acc[l] += v - v;
-        }
-    }
+    let (acc, rem) = fold_lanes::<T, LANES>(x, |a, v| a + (v - v));
     let mut ok = acc.iter().all(|a| *a == 0.0);
     for v in rem {
         ok &= v.to_f64().is_finite();
@@ -156,13 +166,11 @@ mod explicit {
     #[target_feature(enable = "avx2,fma")]
     fn axpy_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])]) {
         let n = acc.len();
-        let f: [f64; G] = std::array::from_fn(|i| g[i].0);
+        let (f, x) = group::<T, G>(g, n);
         let fv: [__m256d; G] = std::array::from_fn(|i| _mm256_set1_pd(f[i]));
-        let x: [&[T]; G] = std::array::from_fn(|i| &g[i].1[..n]);
         let main = n / 8 * 8;
         let a = acc.as_mut_ptr();
-        let mut j = 0;
-        while j < main {
+        for j in (0..main).step_by(8) {
             // SAFETY: j + 8 <= n = acc.len() <= every row's length; AVX is enabled.
             unsafe {
                 let mut s0 = _mm256_loadu_pd(a.add(j));
@@ -175,15 +183,8 @@ mod explicit {
                 _mm256_storeu_pd(a.add(j), s0);
                 _mm256_storeu_pd(a.add(j + 4), s1);
             }
-            j += 8;
         }
-        for j in main..n {
-            let mut s = acc[j];
-            for i in 0..G {
-                s = f[i].mul_add(x[i][j].to_f64(), s);
-            }
-            acc[j] = s;
-        }
+        axpy_columns(acc, &f, &x, main);
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -197,15 +198,13 @@ mod explicit {
     #[target_feature(enable = "avx2,fma")]
     fn round_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])], sq: &mut [f64]) {
         let n = acc.len();
-        let fs: [f64; G] = std::array::from_fn(|r| g[r].0);
+        let (fs, xs) = group::<T, G>(g, n);
         let fv: [__m256d; G] = std::array::from_fn(|r| _mm256_set1_pd(fs[r]));
-        let xs: [&[T]; G] = std::array::from_fn(|r| &g[r].1[..n]);
         let magic = _mm256_set1_pd(ROUND_MAGIC);
         let mut s = [_mm256_setzero_pd(); G];
         let main = n / 4 * 4;
         let a = acc.as_mut_ptr();
-        let mut j = 0;
-        while j < main {
+        for j in (0..main).step_by(4) {
             // SAFETY: j + 4 <= n = acc.len() <= every row's length; AVX is enabled.
             unsafe {
                 let mut t = _mm256_loadu_pd(a.add(j));
@@ -217,7 +216,6 @@ mod explicit {
                 }
                 _mm256_storeu_pd(a.add(j), t);
             }
-            j += 4;
         }
         let mut lanes = [[0.0f64; 4]; G];
         for r in 0..G {
@@ -285,8 +283,17 @@ pub(crate) fn tier() -> Tier {
     Tier::Baseline
 }
 
-/// Calls the widest compiled tier of kernel `$f` that this CPU supports.
+/// Calls the widest compiled tier of kernel `$f` that this CPU supports. With `explicit`, the
+/// kernel of `mod explicit` serves every x86 tier for element types that have one.
 macro_rules! dispatch {
+    (explicit $f:ident, $generic:ident ($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        if T::EXPLICIT && tier() != Tier::Baseline {
+            // SAFETY: both x86 tiers imply AVX2 and FMA.
+            return unsafe { explicit::$f($($arg),*) };
+        }
+        dispatch!($f, $generic($($arg),*))
+    }};
     ($f:ident, $generic:ident ($($arg:expr),*)) => {{
         match tier() {
             // SAFETY: tier() checked that the CPU supports the tier's instructions.
@@ -313,8 +320,7 @@ pub fn round_product(x: f64, s: f64) -> f64 {
 #[inline(always)]
 fn round_group<T: Elem, const G: usize>(acc: &mut [f64], g: &[(f64, &[T])], sq: &mut [f64]) {
     let n = acc.len();
-    let xs: [&[T]; G] = std::array::from_fn(|r| &g[r].1[..n]);
-    let fs: [f64; G] = std::array::from_fn(|r| g[r].0);
+    let (fs, xs) = group::<T, G>(g, n);
     let mut s = [[0.0f64; 4]; G];
     let main = n / 4 * 4;
     for (c, a) in acc[..main].chunks_exact_mut(4).enumerate() {
@@ -362,32 +368,17 @@ fn round_rows_generic<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])], sq: &mut [
 /// and sq[r] += Σ round(f_r·x_r)² in f64 (with rounding error; a screen, not an exact value).
 /// The sums are of integers, exact below 2⁵³, so every tier gives the same acc.
 pub fn round_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])], sq: &mut [f64]) {
-    #[cfg(target_arch = "x86_64")]
-    if T::EXPLICIT && tier() != Tier::Baseline {
-        // SAFETY: both x86 tiers imply AVX2 and FMA.
-        return unsafe { explicit::round_rows(acc, rows, sq) };
-    }
-    dispatch!(round_rows, round_rows_generic(acc, rows, sq))
+    dispatch!(explicit round_rows, round_rows_generic(acc, rows, sq))
 }
 
 /// Σ x_j², accumulated in f64 over 32 fixed lanes and added up by a fixed tree.
 pub fn sumsq<T: Elem>(x: &[T]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if T::EXPLICIT && tier() != Tier::Baseline {
-        // SAFETY: both x86 tiers imply AVX2 and FMA.
-        return unsafe { explicit::sumsq(x) };
-    }
-    dispatch!(sumsq, sumsq_generic(x))
+    dispatch!(explicit sumsq, sumsq_generic(x))
 }
 
 /// acc += Σ_r f_r x_r, rows in order. Each row must be at least `acc.len()` long.
 pub fn axpy_rows<T: Elem>(acc: &mut [f64], rows: &[(f64, &[T])]) {
-    #[cfg(target_arch = "x86_64")]
-    if T::EXPLICIT && tier() != Tier::Baseline {
-        // SAFETY: both x86 tiers imply AVX2 and FMA.
-        return unsafe { explicit::axpy_rows(acc, rows) };
-    }
-    dispatch!(axpy_rows, axpy_rows_generic(acc, rows))
+    dispatch!(explicit axpy_rows, axpy_rows_generic(acc, rows))
 }
 
 /// True when no value is NaN or ±∞.

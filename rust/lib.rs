@@ -25,5 +25,7 @@ pub mod ziggurat;
 
 #[cfg(feature = "python")]
 mod bindings;
+#[cfg(test)]
+mod testing;
 
 pub use error::{DpError, DpResult};

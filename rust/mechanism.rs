@@ -7,7 +7,7 @@
 
 use crate::clip::{check_clip, clip_round_sum, clip_sum, ClippedSum};
 use crate::discrete::{DiscreteParams, Rounding};
-use crate::error::{DpError, DpResult};
+use crate::error::{require, DpError, DpResult};
 use crate::noise::{check_stddev, noised_parts};
 use rayon::prelude::*;
 pub use crate::noise::Output;
@@ -15,13 +15,7 @@ use crate::records::{Column, Records};
 use crate::rng::{chunk_rng, stream_id, Domain, Key, Seed};
 
 pub fn check_noise_multiplier(z: f64) -> DpResult<()> {
-    if !(z.is_finite() && z >= 0.0) {
-        return Err(DpError::param(
-            "noise_multiplier",
-            format!("must be finite and >= 0, got {z}"),
-        ));
-    }
-    Ok(())
+    require(z.is_finite() && z >= 0.0, "noise_multiplier", "finite and >= 0", z)
 }
 
 pub fn check_denominator(d: Option<f64>) -> DpResult<f64> {

@@ -14,7 +14,7 @@
 //! continuous mechanism, as TF Privacy and Opacus do.
 
 use crate::chacha::ChaCha20;
-use crate::error::{try_with_capacity, DpError, DpResult};
+use crate::error::{require, try_with_capacity, DpResult};
 use crate::elem::Elem;
 use crate::rng::{chunk_rng, stream_id, Domain, Key};
 use crate::ziggurat;
@@ -50,13 +50,7 @@ const BATCH: usize = 256;
 pub const NOISE_CHUNK: usize = 1 << 14;
 
 pub fn check_stddev(stddev: f64) -> DpResult<()> {
-    if !(stddev.is_finite() && stddev >= 0.0) {
-        return Err(DpError::param(
-            "stddev",
-            format!("must be finite and >= 0, got {stddev}"),
-        ));
-    }
-    Ok(())
+    require(stddev.is_finite() && stddev >= 0.0, "stddev", "finite and >= 0", stddev)
 }
 
 /// Writes `out[j] = map(j, σ·ξ_j)` for one chunk, ξ standard normal from stream `stream`.
@@ -227,7 +221,9 @@ pub fn noised_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::DpError;
     use crate::rng::Seed;
+    use crate::testing::pool;
 
     #[test]
     fn noised_parts_gives_each_part_the_bits_of_noised_part() {
@@ -264,14 +260,8 @@ mod tests {
     #[test]
     fn thread_count_does_not_change_bits() {
         let key = Seed::Fixed(3).key().unwrap();
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let three = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
+        let one = pool(1);
+        let three = pool(3);
         let a: Vec<f32> = one.install(|| gaussian(100_003, 1.0, &key, true).unwrap());
         let b: Vec<f32> = three.install(|| gaussian(100_003, 1.0, &key, true).unwrap());
         assert_eq!(a, b);

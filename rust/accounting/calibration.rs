@@ -6,32 +6,50 @@
 use super::conversion::epsilon;
 use super::rdp_poisson::SubsampledGaussian;
 use super::{check_orders, Composition, Step};
-use crate::error::{DpError, DpResult};
+use crate::error::{require, DpError, DpResult};
 
-fn check_target(eps: f64, delta: f64) -> DpResult<()> {
-    if !(eps > 0.0) || eps.is_nan() {
-        return Err(DpError::param(
-            "target_epsilon",
-            format!("must be > 0, got {eps}"),
-        ));
-    }
-    if !(delta > 0.0 && delta < 1.0) {
-        return Err(DpError::param(
-            "target_delta",
-            format!("must be in (0, 1), got {delta}"),
-        ));
-    }
-    Ok(())
+/// What a calibration aims at: ε ≤ `epsilon` at δ = `delta`, RDP taken on `orders`.
+#[derive(Clone, Copy, Debug)]
+pub struct Target<'a> {
+    pub epsilon: f64,
+    pub delta: f64,
+    pub orders: &'a [f64],
 }
 
-fn check_steps(steps: f64) -> DpResult<()> {
-    if !(steps >= 1.0 && steps.is_finite() && steps.fract() == 0.0) {
-        return Err(DpError::param(
-            "steps",
-            format!("must be an integer >= 1, got {steps}"),
-        ));
+impl Target<'_> {
+    /// Checks the target, then `steps` where the number of steps is given, then the orders.
+    fn check(&self, steps: Option<f64>) -> DpResult<()> {
+        let (eps, delta) = (self.epsilon, self.delta);
+        require(eps > 0.0, "target_epsilon", "> 0", eps)?;
+        require(delta > 0.0 && delta < 1.0, "target_delta", "in (0, 1)", delta)?;
+        if let Some(s) = steps {
+            require(s >= 1.0 && s.is_finite() && s.fract() == 0.0, "steps", "an integer >= 1", s)?;
+        }
+        check_orders(self.orders)
     }
-    Ok(())
+
+    /// ε of `steps` Poisson-subsampled Gaussian steps (q, z), measured against this target.
+    fn epsilon_of(&self, q: f64, z: f64, steps: f64) -> DpResult<f64> {
+        poisson_epsilon(q, z, steps, self.delta, self.orders)
+    }
+
+    /// The first of `x`, nudge(x), nudge(nudge(x)), … (eight tries) whose ε (by `eps`) meets the
+    /// target: the rounding of exp may have moved a refined value just past the boundary.
+    fn verified<E>(&self, mut x: f64, nudge: fn(f64) -> f64, eps: E) -> DpResult<f64>
+    where
+        E: Fn(f64) -> DpResult<f64>,
+    {
+        for _ in 0..8 {
+            if eps(x)? <= self.epsilon {
+                return Ok(x);
+            }
+            x = nudge(x);
+        }
+        Err(DpError::param(
+            "target_epsilon",
+            "calibration failed to verify the target (please report)",
+        ))
+    }
 }
 
 /// ε of `steps` identical Poisson-subsampled Gaussian steps.
@@ -89,29 +107,18 @@ fn refine<F: FnMut(f64) -> f64>(
     xg
 }
 
-/// The arguments every calibration over a number of steps shares.
-fn check_search(target_eps: f64, delta: f64, steps: f64, orders: &[f64]) -> DpResult<()> {
-    check_target(target_eps, delta)?;
-    check_steps(steps)?;
-    check_orders(orders)
-}
-
 /// Smallest noise multiplier with ε ≤ target (to 1e-6 relative).
-pub fn noise_multiplier(
-    target_eps: f64,
-    delta: f64,
-    q: f64,
-    steps: f64,
-    orders: &[f64],
-) -> DpResult<f64> {
-    check_search(target_eps, delta, steps, orders)?;
+pub fn noise_multiplier(target: &Target, q: f64, steps: f64) -> DpResult<f64> {
+    target.check(Some(steps))?;
     rdp_poisson::check_q(q, "sampling_probability")?;
     if q == 0.0 {
         return Ok(0.0);
     }
-    let lt = target_eps.ln();
-    let eps = |z: f64| poisson_epsilon(q, z, steps, delta, orders);
+    let lt = target.epsilon.ln();
+    let eps = |z: f64| target.epsilon_of(q, z, steps);
     let g = |lz: f64| -> DpResult<f64> { Ok(eps(lz.exp())?.ln() - lt) };
+    // Rounding of exp could move z down by an ulp; step up until the target is verified met.
+    let finish = |lz: f64| target.verified(lz.exp(), |z| z.next_up().next_up(), eps);
     // Bracket on log z: ε decreases in z.
     let (mut lb, mut lg) = (0.0f64, 0.0f64);
     let mut g0 = g(0.0)?;
@@ -128,7 +135,7 @@ pub fn noise_multiplier(
             let gg = g(lg)?;
             if gg <= 0.0 {
                 let r = refine(|x| g(x).unwrap_or(f64::INFINITY), lb, gb, lg, gg, 4e-7);
-                return finish_noise(r, &eps, target_eps);
+                return finish(r);
             }
             lb = lg;
             gb = gg;
@@ -142,41 +149,20 @@ pub fn noise_multiplier(
         let gb = g(lb)?;
         if gb > 0.0 {
             let r = refine(|x| g(x).unwrap_or(f64::INFINITY), lb, gb, lg, g0, 4e-7);
-            return finish_noise(r, &eps, target_eps);
+            return finish(r);
         }
         lg = lb;
         g0 = gb;
     }
 }
 
-fn finish_noise<E: Fn(f64) -> DpResult<f64>>(lz: f64, eps: &E, target: f64) -> DpResult<f64> {
-    // Rounding of exp could move z down by an ulp; step up until the target is verified met.
-    let mut z = lz.exp();
-    for _ in 0..8 {
-        if eps(z)? <= target {
-            return Ok(z);
-        }
-        z = z.next_up().next_up();
-    }
-    Err(DpError::param(
-        "target_epsilon",
-        "calibration failed to verify the target (please report)",
-    ))
-}
-
 /// Largest sampling probability with ε ≤ target (to 1e-6 relative); 1 if even q = 1 fits.
-pub fn sampling_probability(
-    target_eps: f64,
-    delta: f64,
-    z: f64,
-    steps: f64,
-    orders: &[f64],
-) -> DpResult<f64> {
-    check_search(target_eps, delta, steps, orders)?;
+pub fn sampling_probability(target: &Target, z: f64, steps: f64) -> DpResult<f64> {
+    target.check(Some(steps))?;
     rdp_poisson::check_z(z, "noise_multiplier")?;
-    let lt = target_eps.ln();
-    let eps = |q: f64| poisson_epsilon(q, z, steps, delta, orders);
-    if eps(1.0)? <= target_eps {
+    let lt = target.epsilon.ln();
+    let eps = |q: f64| target.epsilon_of(q, z, steps);
+    if eps(1.0)? <= target.epsilon {
         return Ok(1.0);
     }
     if z == 0.0 {
@@ -192,17 +178,7 @@ pub fn sampling_probability(
         let gg = g(lg)?;
         if gg <= 0.0 {
             let r = refine(|x| g(x).unwrap_or(f64::INFINITY), lb, gb, lg, gg, 4e-7);
-            let mut q = r.exp().min(1.0);
-            for _ in 0..8 {
-                if eps(q)? <= target_eps {
-                    return Ok(q);
-                }
-                q = q.next_down().next_down();
-            }
-            return Err(DpError::param(
-                "target_epsilon",
-                "calibration failed to verify the target (please report)",
-            ));
+            return target.verified(r.exp().min(1.0), |q| q.next_down().next_down(), eps);
         }
         lb = lg;
         gb = gg;
@@ -211,9 +187,9 @@ pub fn sampling_probability(
 
 /// Largest number of steps with ε ≤ target; 0 if not even one step fits. Steps are searched
 /// up to 2^53 (exact in f64).
-pub fn steps(target_eps: f64, delta: f64, q: f64, z: f64, orders: &[f64]) -> DpResult<u64> {
-    check_target(target_eps, delta)?;
-    check_orders(orders)?;
+pub fn steps(target: &Target, q: f64, z: f64) -> DpResult<u64> {
+    target.check(None)?;
+    let (target_eps, delta, orders) = (target.epsilon, target.delta, target.orders);
     let one = SubsampledGaussian::new(q, z)?;
     let grid1: Vec<f64> = Composition {
         steps: vec![(Step::Poisson(one), 1.0)],
@@ -276,7 +252,8 @@ mod tests {
     #[test]
     fn noise_calibration_hits_boundary() {
         let o = default_orders();
-        let z = noise_multiplier(2.0, 1e-5, 0.01, 1000.0, &o).unwrap();
+        let t = Target { epsilon: 2.0, delta: 1e-5, orders: &o };
+        let z = noise_multiplier(&t, 0.01, 1000.0).unwrap();
         assert!(poisson_epsilon(0.01, z, 1000.0, 1e-5, &o).unwrap() <= 2.0);
         assert!(poisson_epsilon(0.01, z * (1.0 - 1e-6), 1000.0, 1e-5, &o).unwrap() > 2.0);
     }
@@ -284,7 +261,8 @@ mod tests {
     #[test]
     fn q_calibration_hits_boundary() {
         let o = default_orders();
-        let q = sampling_probability(2.0, 1e-5, 1.1, 1000.0, &o).unwrap();
+        let t = Target { epsilon: 2.0, delta: 1e-5, orders: &o };
+        let q = sampling_probability(&t, 1.1, 1000.0).unwrap();
         assert!(poisson_epsilon(q, 1.1, 1000.0, 1e-5, &o).unwrap() <= 2.0);
         assert!(poisson_epsilon(q * (1.0 + 1e-6), 1.1, 1000.0, 1e-5, &o).unwrap() > 2.0);
     }
@@ -292,7 +270,7 @@ mod tests {
     #[test]
     fn steps_calibration_is_largest() {
         let o = default_orders();
-        let s = steps(1.0, 1e-5, 0.01, 1.0, &o).unwrap();
+        let s = steps(&Target { epsilon: 1.0, delta: 1e-5, orders: &o }, 0.01, 1.0).unwrap();
         assert!(s > 0);
         assert!(poisson_epsilon(0.01, 1.0, s as f64, 1e-5, &o).unwrap() <= 1.0);
         assert!(poisson_epsilon(0.01, 1.0, (s + 1) as f64, 1e-5, &o).unwrap() > 1.0);

@@ -13,7 +13,7 @@
 //! reported value is never above the grid's.
 
 use super::rdp_poisson::round_up;
-use crate::error::{DpError, DpResult};
+use crate::error::{require, DpError, DpResult};
 
 /// ε at one order (not yet rounded).
 pub fn eps_at(alpha: f64, rdp: f64, log_delta: f64) -> f64 {
@@ -161,18 +161,8 @@ fn sorted(orders: &[f64], vals: &[f64]) -> DpResult<Vec<(f64, f64)>> {
             "orders and rdp must have the same length",
         ));
     }
-    if orders.is_empty() {
-        return Err(DpError::param("orders", "need at least one order"));
-    }
+    super::check_orders(orders)?;
     let mut p: Vec<(f64, f64)> = orders.iter().copied().zip(vals.iter().copied()).collect();
-    for &(a, _) in &p {
-        if !(a > 1.0) {
-            return Err(DpError::param(
-                "orders",
-                format!("every order must be > 1, got {a}"),
-            ));
-        }
-    }
     p.sort_by(|x, y| x.0.total_cmp(&y.0));
     Ok(p)
 }
@@ -242,13 +232,7 @@ fn optimise<F: Fn(f64) -> f64, G: Fn(f64, f64) -> f64>(
 }
 
 fn check_delta(delta: f64) -> DpResult<()> {
-    if !(0.0..=1.0).contains(&delta) {
-        return Err(DpError::param(
-            "delta",
-            format!("must be in [0, 1], got {delta}"),
-        ));
-    }
-    Ok(())
+    require((0.0..=1.0).contains(&delta), "delta", "in [0, 1]", delta)
 }
 
 /// Smallest ε for `delta`, given the composition's RDP on the grid (`rdp`) and at any order
@@ -290,12 +274,7 @@ pub fn delta<F: Fn(f64) -> f64>(
     rdp_fn: F,
     eps: f64,
 ) -> DpResult<Optimum> {
-    if !(eps >= 0.0) {
-        return Err(DpError::param(
-            "epsilon",
-            format!("must be >= 0, got {eps}"),
-        ));
-    }
+    super::check_epsilon(eps)?;
     let grid = sorted(orders, rdp)?;
     if eps == f64::INFINITY {
         return Ok(Optimum {

@@ -19,7 +19,7 @@ pub mod quad;
 pub mod rdp_poisson;
 pub mod rdp_wor;
 
-use crate::error::{DpError, DpResult};
+use crate::error::{require, DpError, DpResult};
 use rayon::prelude::*;
 use rdp_poisson::{round_up, SubsampledGaussian};
 use rdp_wor::WithoutReplacementGaussian;
@@ -52,13 +52,12 @@ pub struct Composition {
 }
 
 fn check_count(c: f64) -> DpResult<()> {
-    if !(c >= 0.0 && c.is_finite()) {
-        return Err(DpError::param(
-            "count",
-            format!("must be a finite count >= 0, got {c}"),
-        ));
-    }
-    Ok(())
+    require(c >= 0.0 && c.is_finite(), "count", "a finite count >= 0", c)
+}
+
+/// An ε to convert at (RDP or privacy loss distributions): ≥ 0, +∞ allowed.
+pub(crate) fn check_epsilon(eps: f64) -> DpResult<()> {
+    require(eps >= 0.0, "epsilon", ">= 0", eps)
 }
 
 impl Composition {

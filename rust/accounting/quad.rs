@@ -130,6 +130,45 @@ pub fn trapezoid_exp<F: Fn(f64) -> f64>(
     }
 }
 
+/// log √(2π).
+pub const LN_SQRT_2PI: f64 = 0.918_938_533_204_672_8;
+
+/// log E_{x∼N(0,s²)}[e^{h(x)}] for a moment whose bulk lies in [0, top], as an upper bound.
+/// `logf(x)` = h(x) − x²/(2s²) (the density's constant −log(s√(2π)) is added here). The
+/// trapezoidal rule (anchored at `anchor`, first step `h0`) covers [lo, hi] = [min(−k·s, −1),
+/// top + k·s], and `tail_lo(lo)`, `tail_hi(hi)` bound the log mass beyond each end analytically.
+/// k starts at 8.5 and grows by 1.6 while the tails are above e⁻³⁰ of the body (until k > 60);
+/// the tails are added either way. Returns log(body + tails), the body with its quadrature
+/// error.
+pub fn gaussian_moment<F, L, H>(
+    logf: F,
+    anchor: f64,
+    s: f64,
+    top: f64,
+    h0: f64,
+    tail_lo: L,
+    tail_hi: H,
+) -> f64
+where
+    F: Fn(f64) -> f64,
+    L: Fn(f64) -> f64,
+    H: Fn(f64) -> f64,
+{
+    let norm = -(s.ln() + LN_SQRT_2PI);
+    let mut kz = 8.5;
+    loop {
+        let lo = (-kz * s).min(-1.0);
+        let hi = top + kz * s;
+        let r = trapezoid_exp(&logf, anchor, lo, hi, h0, 1e-11, 1 << 22);
+        let body = r.log_upper() + norm;
+        let tails = log_add(tail_lo(lo), tail_hi(hi));
+        if tails <= body - 30.0 || kz > 60.0 {
+            return log_add(body, tails);
+        }
+        kz *= 1.6;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,11 +15,10 @@
 //! alternating difference table. For real α the cumulant (α−1)ε'(α) is convex (WBK Cor. 10),
 //! so interpolating it linearly between ⌊α⌋ and ⌈α⌉ gives an upper bound.
 
-use super::quad::{log_add, trapezoid_exp};
-use super::rdp_poisson::{check_z, ln1p_exp, ln_expm1, round_up};
+use super::quad::{gaussian_moment, log_add, LN_SQRT_2PI};
+use super::rdp_poisson::{check_z, ln1p_exp, ln_expm1, rdp_trivial, round_up};
 use crate::error::{DpError, DpResult};
 
-const LN_SQRT_2PI: f64 = 0.918_938_533_204_672_8;
 /// Beyond this j the 2e^{(j−1)ε(j)} branch (itself a valid bound on the term) is used alone.
 const MAX_EXACT_J: u64 = 2048;
 
@@ -96,16 +95,10 @@ impl WithoutReplacementGaussian {
 
     /// ε'(α), rounded up; +∞ where no finite bound exists.
     pub fn rdp(&self, alpha: f64) -> f64 {
-        let (g, s) = (self.gamma, self.sigma);
-        if g == 0.0 {
-            return 0.0;
+        if let Some(e) = rdp_trivial(self.gamma, self.sigma, alpha) {
+            return e;
         }
-        if alpha.is_infinite() || s == 0.0 {
-            return f64::INFINITY;
-        }
-        if g == 1.0 {
-            return round_up(alpha / (2.0 * s * s), 4.0 * f64::EPSILON);
-        }
+        let s = self.sigma;
         if alpha > 1e6 {
             return f64::INFINITY; // beyond any useful order; refuse to spend O(α) work
         }
@@ -144,26 +137,18 @@ fn log_chi_moment(sigma: f64, j: u64) -> f64 {
         -x * x * inv2s2 + jf * l
     };
     let h0 = (0.5 * sigma).min(0.7 * s2).max(1e-4 * jf);
-    let norm = -(sigma.ln() + LN_SQRT_2PI);
-    let mut kz = 8.5;
-    loop {
-        let lo = (-kz * sigma).min(-1.0);
-        let hi = jf + kz * sigma;
-        let r = trapezoid_exp(&logf, 0.5, lo, hi, h0, 1e-11, 1 << 22);
-        let body = r.log_upper() + norm;
-        // Left: |L − 1| ≤ 1 for x ≤ 1/2, so the tail is at most Φ(lo/σ) ≤ φ(s)/s.
+    // Left: |L − 1| ≤ 1 for x ≤ 1/2, so the tail is at most Φ(lo/σ) ≤ φ(s)/s.
+    let tail_lo = |lo: f64| {
         let s_lo = -lo / sigma;
-        let tail_lo = -0.5 * s_lo * s_lo - LN_SQRT_2PI - s_lo.ln();
-        // Right: (L − 1)^j ≤ L^j and φ_σ(x)L^j = e^{j(j−1)/(2σ²)} φ_σ(x − j).
+        -0.5 * s_lo * s_lo - LN_SQRT_2PI - s_lo.ln()
+    };
+    // Right: (L − 1)^j ≤ L^j and φ_σ(x)L^j = e^{j(j−1)/(2σ²)} φ_σ(x − j).
+    let tail_hi = |hi: f64| {
         let s_hi = (hi - jf) / sigma;
-        let tail_hi = jf * (jf - 1.0) * inv2s2 - 0.5 * s_hi * s_hi - LN_SQRT_2PI - s_hi.ln();
-        let tails = log_add(tail_lo, tail_hi);
-        if tails <= body - 30.0 || kz > 60.0 {
-            let v = log_add(body, tails);
-            return v + 1e-12 * (1.0 + v.abs());
-        }
-        kz *= 1.6;
-    }
+        jf * (jf - 1.0) * inv2s2 - 0.5 * s_hi * s_hi - LN_SQRT_2PI - s_hi.ln()
+    };
+    let v = gaussian_moment(logf, 0.5, sigma, jf, h0, tail_lo, tail_hi);
+    v + 1e-12 * (1.0 + v.abs())
 }
 
 #[cfg(test)]

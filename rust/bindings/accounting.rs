@@ -1,75 +1,63 @@
 //! Bindings of the accountant (rust/accounting). Validation errors map to ValueError naming
 //! the parameter; the work runs without the GIL.
 
-use super::detached;
+use super::{detached, detached_array};
 use crate::accounting::{calibration, conversion, default_orders, pld, rdp_poisson, Composition};
-use numpy::PyArray1;
+use crate::DpResult;
 use pyo3::prelude::*;
 use rayon::prelude::*;
 
 type Groups = Vec<(f64, f64, f64)>;
 
-fn max_order(orders: &[f64]) -> f64 {
-    orders
-        .iter()
-        .copied()
-        .filter(|a| a.is_finite())
-        .fold(2.0, f64::max)
-}
-
-/// One step's RDP of the Poisson-subsampled Gaussian at each order.
-#[pyfunction]
-fn rdp_poisson_subsampled_gaussian(
-    py: Python<'_>,
-    q: f64,
-    z: f64,
-    orders: Vec<f64>,
-) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || {
-        crate::accounting::check_orders(&orders)?;
-        let c = Composition::new(&[(q, z, 1.0)], &[], false, max_order(&orders))?;
-        Ok(c.rdp_grid(&orders))
-    })?;
-    Ok(PyArray1::from_vec(py, v).into_any().unbind())
-}
-
-/// Total RDP of a composition at each order. `poisson`: (q, z, count); `wor`: (m/n, z, count).
-#[pyfunction]
-fn rdp_composition(
-    py: Python<'_>,
-    poisson: Groups,
-    wor: Groups,
+/// Checks the orders and builds the composition, its tables sized for the largest finite order.
+fn composition(
+    poisson: &[(f64, f64, f64)],
+    wor: &[(f64, f64, f64)],
     non_private: bool,
-    orders: Vec<f64>,
-) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || {
-        crate::accounting::check_orders(&orders)?;
-        let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
-        Ok(c.rdp_grid(&orders))
-    })?;
-    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+    orders: &[f64],
+) -> DpResult<Composition> {
+    crate::accounting::check_orders(orders)?;
+    let max_order = orders.iter().copied().filter(|a| a.is_finite()).fold(2.0, f64::max);
+    Composition::new(poisson, wor, non_private, max_order)
 }
 
-/// One row per group (Poisson groups first, then without-replacement ones), flattened:
-/// RDP of a single step of each group at each order. Counts are ignored.
-#[pyfunction]
-fn rdp_per_group(
-    py: Python<'_>,
-    poisson: Groups,
-    wor: Groups,
-    orders: Vec<f64>,
-) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || {
-        crate::accounting::check_orders(&orders)?;
-        let c = Composition::new(&poisson, &wor, false, max_order(&orders))?;
-        let n = orders.len();
-        let cells: Vec<f64> = (0..c.steps.len() * n)
-            .into_par_iter()
-            .map(|i| c.steps[i / n].0.rdp(orders[i % n]))
-            .collect();
-        Ok(cells)
-    })?;
-    Ok(PyArray1::from_vec(py, v).into_any().unbind())
+/// RDP of each group's single step (rows, in the composition's order) at each order (columns),
+/// flattened. Counts are ignored.
+fn per_group(c: &Composition, orders: &[f64]) -> Vec<f64> {
+    let n = orders.len();
+    (0..c.steps.len() * n)
+        .into_par_iter()
+        .map(|i| c.steps[i / n].0.rdp(orders[i % n]))
+        .collect()
+}
+
+/// RDP values on the grid `orders`, one binding a row: its name and parameters (besides
+/// `orders`), the composition they describe (Poisson groups, without-replacement groups,
+/// non-private), and the values taken from it.
+macro_rules! rdp_values {
+    ($($(#[doc = $doc:literal])* $name:ident($($arg:ident: $ty:ty),*)
+        => ($poisson:expr, $wor:expr, $non_private:expr), $values:path;)*) => {$(
+        #[pyfunction]
+        $(#[doc = $doc])*
+        fn $name(py: Python<'_>, $($arg: $ty,)* orders: Vec<f64>) -> PyResult<Py<PyAny>> {
+            detached_array(py, || {
+                let c = composition(&$poisson, &$wor, $non_private, &orders)?;
+                Ok($values(&c, &orders))
+            })
+        }
+    )*};
+}
+
+rdp_values! {
+    /// One step's RDP of the Poisson-subsampled Gaussian at each order.
+    rdp_poisson_subsampled_gaussian(q: f64, z: f64)
+        => ([(q, z, 1.0)], [], false), Composition::rdp_grid;
+    /// Total RDP of a composition at each order. `poisson`: (q, z, count); `wor`: (m/n, z, count).
+    rdp_composition(poisson: Groups, wor: Groups, non_private: bool)
+        => (poisson, wor, non_private), Composition::rdp_grid;
+    /// One row per group (Poisson groups first, then without-replacement ones), flattened:
+    /// RDP of a single step of each group at each order. Counts are ignored.
+    rdp_per_group(poisson: Groups, wor: Groups) => (poisson, wor, false), per_group;
 }
 
 /// Builds the composition, takes its RDP on the grid (unless given), and runs one conversion.
@@ -86,47 +74,40 @@ where
     C: FnOnce(&[f64], &[f64], &dyn Fn(f64) -> f64) -> crate::DpResult<conversion::Optimum> + Send,
 {
     detached(py, || {
-        crate::accounting::check_orders(&orders)?;
-        let c = Composition::new(&poisson, &wor, non_private, max_order(&orders))?;
+        let c = composition(&poisson, &wor, non_private, &orders)?;
         let grid = rdp.unwrap_or_else(|| c.rdp_grid(&orders));
         let o = conv(&orders, &grid, &|a| c.rdp(a))?;
         Ok((o.value, o.order, o.at_edge))
     })
 }
 
-/// (ε, best order, best order at the grid's edge) for a composition. `rdp`: the composition's
-/// values on `orders` if already known (else computed).
-#[pyfunction]
-#[pyo3(signature = (poisson, wor, non_private, orders, delta, rdp=None))]
-fn epsilon_composition(
-    py: Python<'_>,
-    poisson: Groups,
-    wor: Groups,
-    non_private: bool,
-    orders: Vec<f64>,
-    delta: f64,
-    rdp: Option<Vec<f64>>,
-) -> PyResult<(f64, f64, bool)> {
-    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| {
-        conversion::epsilon(o, g, f, delta)
-    })
+/// The conversions of a composition, one binding a row: its name, the parameter it converts at,
+/// and the conversion.
+macro_rules! conversions {
+    ($($(#[doc = $doc:literal])* $name:ident($at:ident) = $conv:path;)*) => {$(
+        #[pyfunction]
+        $(#[doc = $doc])*
+        #[pyo3(signature = (poisson, wor, non_private, orders, $at, rdp=None))]
+        fn $name(
+            py: Python<'_>,
+            poisson: Groups,
+            wor: Groups,
+            non_private: bool,
+            orders: Vec<f64>,
+            $at: f64,
+            rdp: Option<Vec<f64>>,
+        ) -> PyResult<(f64, f64, bool)> {
+            convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| $conv(o, g, f, $at))
+        }
+    )*};
 }
 
-/// (δ, best order, at edge) for a composition at `epsilon`.
-#[pyfunction]
-#[pyo3(signature = (poisson, wor, non_private, orders, epsilon, rdp=None))]
-fn delta_composition(
-    py: Python<'_>,
-    poisson: Groups,
-    wor: Groups,
-    non_private: bool,
-    orders: Vec<f64>,
-    epsilon: f64,
-    rdp: Option<Vec<f64>>,
-) -> PyResult<(f64, f64, bool)> {
-    convert(py, poisson, wor, non_private, orders, rdp, |o, g, f| {
-        conversion::delta(o, g, f, epsilon)
-    })
+conversions! {
+    /// (ε, best order, best order at the grid's edge) for a composition. `rdp`: the composition's
+    /// values on `orders` if already known (else computed).
+    epsilon_composition(delta) = conversion::epsilon;
+    /// (δ, best order, at edge) for a composition at `epsilon`.
+    delta_composition(epsilon) = conversion::delta;
 }
 
 /// (ε, best order) from RDP values on a grid alone: no continuous search (nothing is known
@@ -144,46 +125,35 @@ fn epsilon_from_rdp(
     })
 }
 
-#[pyfunction]
-fn calibrate_noise_multiplier(
-    py: Python<'_>,
-    target_epsilon: f64,
-    target_delta: f64,
-    q: f64,
-    steps: f64,
-    orders: Vec<f64>,
-) -> PyResult<f64> {
-    detached(py, || {
-        calibration::noise_multiplier(target_epsilon, target_delta, q, steps, &orders)
-    })
+/// The calibrations to a target (ε, δ) on `orders`, one binding a row: its name, the two
+/// parameters it is given, the type of the one it finds, and the calibration.
+macro_rules! calibrations {
+    ($($name:ident($a:ident, $b:ident) -> $ret:ty = $calibrate:path;)*) => {$(
+        #[pyfunction]
+        fn $name(
+            py: Python<'_>,
+            target_epsilon: f64,
+            target_delta: f64,
+            $a: f64,
+            $b: f64,
+            orders: Vec<f64>,
+        ) -> PyResult<$ret> {
+            detached(py, || {
+                let target = calibration::Target {
+                    epsilon: target_epsilon,
+                    delta: target_delta,
+                    orders: &orders,
+                };
+                $calibrate(&target, $a, $b)
+            })
+        }
+    )*};
 }
 
-#[pyfunction]
-fn calibrate_sampling_probability(
-    py: Python<'_>,
-    target_epsilon: f64,
-    target_delta: f64,
-    z: f64,
-    steps: f64,
-    orders: Vec<f64>,
-) -> PyResult<f64> {
-    detached(py, || {
-        calibration::sampling_probability(target_epsilon, target_delta, z, steps, &orders)
-    })
-}
-
-#[pyfunction]
-fn calibrate_steps(
-    py: Python<'_>,
-    target_epsilon: f64,
-    target_delta: f64,
-    q: f64,
-    z: f64,
-    orders: Vec<f64>,
-) -> PyResult<u64> {
-    detached(py, || {
-        calibration::steps(target_epsilon, target_delta, q, z, &orders)
-    })
+calibrations! {
+    calibrate_noise_multiplier(q, steps) -> f64 = calibration::noise_multiplier;
+    calibrate_sampling_probability(z, steps) -> f64 = calibration::sampling_probability;
+    calibrate_steps(q, z) -> u64 = calibration::steps;
 }
 
 /// log A_α by quadrature at any real α > 1 (tests compare it with the exact integer sums).
@@ -215,52 +185,42 @@ fn pld_options(interval: Option<f64>) -> pld::Options {
     }
 }
 
-/// (lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
-/// under add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound.
-#[pyfunction]
-#[pyo3(signature = (groups, delta, interval=None, lower=true))]
-fn pld_epsilon_bounds(
-    py: Python<'_>,
-    groups: Groups,
-    delta: f64,
-    interval: Option<f64>,
-    lower: bool,
-) -> PyResult<(f64, f64, f64)> {
-    detached(py, || {
-        let b = pld::epsilon_bounds(&pld_groups(&groups), delta, &pld_options(interval), lower)?;
-        Ok((b.lower, b.upper, b.interval))
-    })
+/// The bounds by privacy loss distributions, one binding a row: its name, the parameter the
+/// bounds are taken at, and the bounds.
+macro_rules! pld_bounds {
+    ($($(#[doc = $doc:literal])* $name:ident($at:ident) = $bounds:path;)*) => {$(
+        #[pyfunction]
+        $(#[doc = $doc])*
+        #[pyo3(signature = (groups, $at, interval=None, lower=true))]
+        fn $name(
+            py: Python<'_>,
+            groups: Groups,
+            $at: f64,
+            interval: Option<f64>,
+            lower: bool,
+        ) -> PyResult<(f64, f64, f64)> {
+            detached(py, || {
+                let b = $bounds(&pld_groups(&groups), $at, &pld_options(interval), lower)?;
+                Ok((b.lower, b.upper, b.interval))
+            })
+        }
+    )*};
 }
 
-/// (lower, upper, grid interval) of δ at ε, as [`pld_epsilon_bounds`].
-#[pyfunction]
-#[pyo3(signature = (groups, epsilon, interval=None, lower=true))]
-fn pld_delta_bounds(
-    py: Python<'_>,
-    groups: Groups,
-    epsilon: f64,
-    interval: Option<f64>,
-    lower: bool,
-) -> PyResult<(f64, f64, f64)> {
-    detached(py, || {
-        let b = pld::delta_bounds(&pld_groups(&groups), epsilon, &pld_options(interval), lower)?;
-        Ok((b.lower, b.upper, b.interval))
-    })
+pld_bounds! {
+    /// (lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
+    /// under add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound.
+    pld_epsilon_bounds(delta) = pld::epsilon_bounds;
+    /// (lower, upper, grid interval) of δ at ε, as [`pld_epsilon_bounds`].
+    pld_delta_bounds(epsilon) = pld::delta_bounds;
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(pld_epsilon_bounds, m)?)?;
-    m.add_function(wrap_pyfunction!(pld_delta_bounds, m)?)?;
-    m.add_function(wrap_pyfunction!(rdp_poisson_subsampled_gaussian, m)?)?;
-    m.add_function(wrap_pyfunction!(rdp_composition, m)?)?;
-    m.add_function(wrap_pyfunction!(rdp_per_group, m)?)?;
-    m.add_function(wrap_pyfunction!(epsilon_composition, m)?)?;
-    m.add_function(wrap_pyfunction!(delta_composition, m)?)?;
-    m.add_function(wrap_pyfunction!(epsilon_from_rdp, m)?)?;
-    m.add_function(wrap_pyfunction!(calibrate_noise_multiplier, m)?)?;
-    m.add_function(wrap_pyfunction!(calibrate_sampling_probability, m)?)?;
-    m.add_function(wrap_pyfunction!(calibrate_steps, m)?)?;
-    m.add_function(wrap_pyfunction!(_log_a_quadrature, m)?)?;
-    m.add_function(wrap_pyfunction!(default_rdp_orders, m)?)?;
+    add_functions!(m, [
+        pld_epsilon_bounds, pld_delta_bounds, rdp_poisson_subsampled_gaussian, rdp_composition,
+        rdp_per_group, epsilon_composition, delta_composition, epsilon_from_rdp,
+        calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps,
+        _log_a_quadrature, default_rdp_orders,
+    ]);
     Ok(())
 }

@@ -3,6 +3,13 @@
 //! Structure and dtype normalisation happens in `python/dpcore/mechanism.py`; this layer
 //! still refuses anything it cannot read in place.
 
+/// Adds each named `#[pyfunction]` to the module `m`, in order.
+macro_rules! add_functions {
+    ($m:expr, [$($f:ident),* $(,)?]) => {
+        $($m.add_function(wrap_pyfunction!($f, $m)?)?;)*
+    };
+}
+
 mod accounting;
 
 use crate::error::DpError;
@@ -44,6 +51,10 @@ enum Held<'py> {
     F64(PyReadonlyArrayDyn<'py, f64>),
 }
 
+/// The record arrays a binding is given: float32 or float64 numpy arrays sharing their leading
+/// (record) axis, borrowed by [`hold`].
+type Arrays<'py> = Vec<Bound<'py, PyAny>>;
+
 /// Borrows each array read-only; all must share the leading (record) axis.
 fn hold<'py>(arrays: &[Bound<'py, PyAny>]) -> PyResult<(usize, Vec<(Held<'py>, usize)>)> {
     let mut held = Vec::with_capacity(arrays.len());
@@ -79,14 +90,6 @@ fn records<'a>(
     batch: usize,
     held: &'a [(Held<'_>, usize)],
     scales: Option<&[f64]>,
-) -> PyResult<Records<'a>> {
-    grouped_records(batch, held, scales, None)
-}
-
-fn grouped_records<'a>(
-    batch: usize,
-    held: &'a [(Held<'_>, usize)],
-    scales: Option<&[f64]>,
     groups: Option<&[usize]>,
 ) -> PyResult<Records<'a>> {
     for (what, n) in [("scales", scales.map(|s| s.len())), ("groups", groups.map(|g| g.len()))] {
@@ -114,9 +117,44 @@ fn grouped_records<'a>(
     Records::new(batch, parts).map_err(to_py)
 }
 
+/// Borrows `arrays` as records (array k scaled by `scales[k]` and in group `groups[k]`, where
+/// given) and runs `f` on them without the GIL.
+fn on_records<T, F>(
+    py: Python<'_>,
+    arrays: &[Bound<'_, PyAny>],
+    scales: Option<&[f64]>,
+    groups: Option<&[usize]>,
+    f: F,
+) -> PyResult<T>
+where
+    T: Send,
+    F: FnOnce(&Records<'_>) -> DpResult<T> + Send,
+{
+    let (batch, held) = hold(arrays)?;
+    let rec = records(batch, &held, scales, groups)?;
+    detached(py, || f(&rec))
+}
+
+/// Views of float64 sums, refused unless each is C-contiguous.
+fn sum_views<'a>(sums: &'a [PyReadonlyArray1<'_, f64>]) -> PyResult<Vec<&'a [f64]>> {
+    sums.iter()
+        .map(|a| a.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| PyValueError::new_err("sums must be C-contiguous float64 arrays"))
+}
+
 /// A numpy array that takes over `v` (no copy).
 fn array<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyAny> {
     PyArray1::from_vec(py, v).into_any().unbind()
+}
+
+/// Runs `f` without the GIL (as [`detached`]) and hands its values to numpy (no copy).
+fn detached_array<T, F>(py: Python<'_>, f: F) -> PyResult<Py<PyAny>>
+where
+    T: numpy::Element + Send,
+    F: FnOnce() -> DpResult<Vec<T>> + Send,
+{
+    Ok(array(py, detached(py, f)?))
 }
 
 fn f64_arrays(py: Python<'_>, vs: Vec<Vec<f64>>) -> Vec<Py<PyAny>> {
@@ -137,7 +175,7 @@ fn outputs(py: Python<'_>, outs: Vec<Output>) -> Vec<Py<PyAny>> {
 #[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None, scales=None, f64_out=false))]
 fn gaussian_sum_flat(
     py: Python<'_>,
-    arrays: Vec<Bound<'_, PyAny>>,
+    arrays: Arrays<'_>,
     l2_norm_clip: f64,
     noise_multiplier: f64,
     denominator: Option<f64>,
@@ -145,23 +183,11 @@ fn gaussian_sum_flat(
     scales: Option<Vec<f64>>,
     f64_out: bool,
 ) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>)> {
-    let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held, scales.as_deref())?;
     let seed = Seed::from_option(seed);
-    let (outs, norms) = detached(py, || {
-        gaussian_sum_as(
-            &rec,
-            l2_norm_clip,
-            noise_multiplier,
-            denominator,
-            seed,
-            f64_out,
-        )
+    let (outs, norms) = on_records(py, &arrays, scales.as_deref(), None, |rec| {
+        gaussian_sum_as(rec, l2_norm_clip, noise_multiplier, denominator, seed, f64_out)
     })?;
-    Ok((
-        outputs(py, outs),
-        array(py, norms),
-    ))
+    Ok((outputs(py, outs), array(py, norms)))
 }
 
 /// Clipped sums of several groups in one pass over the records (no noise): array k belongs to
@@ -171,18 +197,15 @@ fn gaussian_sum_flat(
 #[pyo3(signature = (arrays, groups, clips, scales=None))]
 fn clip_sum_groups(
     py: Python<'_>,
-    arrays: Vec<Bound<'_, PyAny>>,
+    arrays: Arrays<'_>,
     groups: Vec<usize>,
     clips: Vec<f64>,
     scales: Option<Vec<f64>>,
 ) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>)> {
-    let (batch, held) = hold(&arrays)?;
-    let rec = grouped_records(batch, &held, scales.as_deref(), Some(&groups))?;
-    let out = detached(py, || clip::clip_sum_groups(&rec, &clips))?;
-    Ok((
-        f64_arrays(py, out.sums),
-        array(py, out.norms),
-    ))
+    let out = on_records(py, &arrays, scales.as_deref(), Some(&groups), |rec| {
+        clip::clip_sum_groups(rec, &clips)
+    })?;
+    Ok((f64_arrays(py, out.sums), array(py, out.norms)))
 }
 
 /// The Gaussian release of flat float64 sums: (sums[k] + N(0, stddevs[k]²)) / denominators[k],
@@ -197,11 +220,7 @@ fn gaussian_release(
     f32_out: Vec<bool>,
     seed: Option<u64>,
 ) -> PyResult<Vec<Py<PyAny>>> {
-    let views = sums
-        .iter()
-        .map(|a| a.as_slice())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| PyValueError::new_err("sums must be C-contiguous float64 arrays"))?;
+    let views = sum_views(&sums)?;
     let seed = Seed::from_option(seed);
     let outs = detached(py, || {
         crate::mechanism::gaussian_release(&views, &stddevs, &denominators, &f32_out, seed)
@@ -245,7 +264,7 @@ fn discrete_params(
 #[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, granularity=None, denominator=None, seed=None, scales=None))]
 fn discrete_gaussian_sum_flat(
     py: Python<'_>,
-    arrays: Vec<Bound<'_, PyAny>>,
+    arrays: Arrays<'_>,
     l2_norm_clip: f64,
     noise_multiplier: f64,
     granularity: Option<f64>,
@@ -253,17 +272,11 @@ fn discrete_gaussian_sum_flat(
     seed: Option<u64>,
     scales: Option<Vec<f64>>,
 ) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>, ParamsTuple)> {
-    let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held, scales.as_deref())?;
     let seed = Seed::from_option(seed);
-    let (outs, norms, p) = detached(py, || {
-        discrete_gaussian_sum(&rec, l2_norm_clip, noise_multiplier, granularity, denominator, seed)
+    let (outs, norms, p) = on_records(py, &arrays, scales.as_deref(), None, |rec| {
+        discrete_gaussian_sum(rec, l2_norm_clip, noise_multiplier, granularity, denominator, seed)
     })?;
-    Ok((
-        f64_arrays(py, outs),
-        array(py, norms),
-        params_tuple(&p),
-    ))
+    Ok((f64_arrays(py, outs), array(py, norms), params_tuple(&p)))
 }
 
 /// Clipped records rounded onto the grid and summed exactly (grid units, float64), the norms,
@@ -272,20 +285,16 @@ fn discrete_gaussian_sum_flat(
 #[pyo3(signature = (arrays, l2_norm_clip, granularity, sens_sq, scales=None))]
 fn clip_round_sum(
     py: Python<'_>,
-    arrays: Vec<Bound<'_, PyAny>>,
+    arrays: Arrays<'_>,
     l2_norm_clip: f64,
     granularity: f64,
     sens_sq: u128,
     scales: Option<Vec<f64>>,
 ) -> PyResult<(Vec<Py<PyAny>>, Py<PyAny>, usize)> {
-    let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held, scales.as_deref())?;
-    let out = detached(py, || clip::clip_round_sum(&rec, l2_norm_clip, granularity, sens_sq))?;
-    Ok((
-        f64_arrays(py, out.sums),
-        array(py, out.norms),
-        out.truncated,
-    ))
+    let out = on_records(py, &arrays, scales.as_deref(), None, |rec| {
+        clip::clip_round_sum(rec, l2_norm_clip, granularity, sens_sq)
+    })?;
+    Ok((f64_arrays(py, out.sums), array(py, out.norms), out.truncated))
 }
 
 /// The discrete Gaussian release of sums (one flat float64 array per part): grid units when
@@ -308,11 +317,7 @@ fn discrete_release(
 ) -> PyResult<Vec<Py<PyAny>>> {
     let p = DiscreteParams::new(l2_norm_clip, noise_multiplier, dim, Some(granularity), rounding(per_record))
         .map_err(to_py)?;
-    let views = sums
-        .iter()
-        .map(|a| a.as_slice())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| PyValueError::new_err("sums must be C-contiguous float64 arrays"))?;
+    let views = sum_views(&sums)?;
     let grids: Vec<f64> = part_scales.iter().map(|a| a * p.granularity).collect();
     let seed = Seed::from_option(seed);
     let outs = detached(py, || release(&views, &grids, &p, denominator, seed, round_sums))?;
@@ -324,12 +329,10 @@ fn discrete_release(
 #[pyo3(signature = (arrays, scales=None))]
 fn record_norms(
     py: Python<'_>,
-    arrays: Vec<Bound<'_, PyAny>>,
+    arrays: Arrays<'_>,
     scales: Option<Vec<f64>>,
 ) -> PyResult<Py<PyAny>> {
-    let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held, scales.as_deref())?;
-    let norms = detached(py, || clip::record_norms(&rec))?;
+    let norms = on_records(py, &arrays, scales.as_deref(), None, clip::record_norms)?;
     Ok(array(py, norms))
 }
 
@@ -338,14 +341,8 @@ fn record_norms(
 /// calling thread.
 #[pyfunction]
 #[pyo3(signature = (arrays, parallel=true))]
-fn part_sumsq(
-    py: Python<'_>,
-    arrays: Vec<Bound<'_, PyAny>>,
-    parallel: bool,
-) -> PyResult<Vec<Py<PyAny>>> {
-    let (batch, held) = hold(&arrays)?;
-    let rec = records(batch, &held, None)?;
-    let sums = detached(py, || Ok(clip::part_sumsq(&rec, parallel)))?;
+fn part_sumsq(py: Python<'_>, arrays: Arrays<'_>, parallel: bool) -> PyResult<Vec<Py<PyAny>>> {
+    let sums = on_records(py, &arrays, None, None, |rec| Ok(clip::part_sumsq(rec, parallel)))?;
     Ok(f64_arrays(py, sums))
 }
 
@@ -361,21 +358,18 @@ fn gaussian_flat(
     parallel: bool,
 ) -> PyResult<Py<PyAny>> {
     let key = Seed::from_option(seed).key().map_err(to_py)?;
-    Ok(if double {
-        array(py, detached(py, || gaussian::<f64>(n, stddev, &key, parallel))?)
+    if double {
+        detached_array(py, || gaussian::<f64>(n, stddev, &key, parallel))
     } else {
-        array(py, detached(py, || gaussian::<f32>(n, stddev, &key, parallel))?)
-    })
+        detached_array(py, || gaussian::<f32>(n, stddev, &key, parallel))
+    }
 }
 
 /// Sorted indices of a Poisson sample (uint64).
 #[pyfunction]
 #[pyo3(signature = (n, q, seed=None))]
 fn poisson_sample(py: Python<'_>, n: u64, q: f64, seed: Option<u64>) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || {
-        sampling::poisson_sample(n, q, Seed::from_option(seed))
-    })?;
-    Ok(array(py, v))
+    detached_array(py, || sampling::poisson_sample(n, q, Seed::from_option(seed)))
 }
 
 type RunTuple = (
@@ -431,27 +425,16 @@ fn ledger_scan(
 #[pyfunction]
 #[pyo3(signature = (n, b, seed=None))]
 fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyResult<Py<PyAny>> {
-    let v = detached(py, || {
-        sampling::fixed_size_sample(n, b, Seed::from_option(seed))
-    })?;
-    Ok(array(py, v))
+    detached_array(py, || sampling::fixed_size_sample(n, b, Seed::from_option(seed)))
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(gaussian_sum_flat, m)?)?;
-    m.add_function(wrap_pyfunction!(record_norms, m)?)?;
-    m.add_function(wrap_pyfunction!(clip_sum_groups, m)?)?;
-    m.add_function(wrap_pyfunction!(gaussian_release, m)?)?;
-    m.add_function(wrap_pyfunction!(discrete_params, m)?)?;
-    m.add_function(wrap_pyfunction!(discrete_gaussian_sum_flat, m)?)?;
-    m.add_function(wrap_pyfunction!(clip_round_sum, m)?)?;
-    m.add_function(wrap_pyfunction!(discrete_release, m)?)?;
-    m.add_function(wrap_pyfunction!(part_sumsq, m)?)?;
-    m.add_function(wrap_pyfunction!(gaussian_flat, m)?)?;
-    m.add_function(wrap_pyfunction!(poisson_sample, m)?)?;
-    m.add_function(wrap_pyfunction!(fixed_size_sample, m)?)?;
-    m.add_function(wrap_pyfunction!(ledger_scan, m)?)?;
+    add_functions!(m, [
+        gaussian_sum_flat, record_norms, clip_sum_groups, gaussian_release, discrete_params,
+        discrete_gaussian_sum_flat, clip_round_sum, discrete_release, part_sumsq, gaussian_flat,
+        poisson_sample, fixed_size_sample, ledger_scan,
+    ]);
     accounting::register(m)?;
     m.add("NOISE_CHUNK", crate::noise::NOISE_CHUNK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -21,7 +21,7 @@
 //! a run of consecutive parts, hence of consecutive column blocks; its norm adds its blocks'
 //! partial sums in block order, so a group gives the same bits as a call on that group alone.
 
-use crate::error::{DpError, DpResult};
+use crate::error::{require, DpError, DpResult};
 use crate::kernels;
 use crate::records::{Column, Elem, Records};
 use rayon::prelude::*;
@@ -48,13 +48,8 @@ const PAR_MIN_VALUES: usize = 1 << 16;
 const SUMSQ_TINY: f64 = 1e-280;
 
 pub fn check_clip(l2_norm_clip: f64) -> DpResult<()> {
-    if !(l2_norm_clip.is_finite() && l2_norm_clip > 0.0) {
-        return Err(DpError::param(
-            "l2_norm_clip",
-            format!("must be finite and > 0, got {l2_norm_clip}"),
-        ));
-    }
-    Ok(())
+    let c = l2_norm_clip;
+    require(c.is_finite() && c > 0.0, "l2_norm_clip", "finite and > 0", c)
 }
 
 /// The clipped sum Σ_i min(1, C/‖x_i‖)·x_i per part, in f64, and the unclipped norms ‖x_i‖,
@@ -268,6 +263,7 @@ fn zero_sums(records: &Records) -> DpResult<Vec<Vec<f64>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::pool;
 
     #[test]
     fn part_sumsq_is_each_parts_squared_row_norm() {
@@ -431,14 +427,8 @@ mod tests {
             .map(|(k, &w)| pseudo(200 * w, k as u64))
             .collect();
         let rec = f32_records(200, &widths, &data);
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let four = rayon::ThreadPoolBuilder::new()
-            .num_threads(4)
-            .build()
-            .unwrap();
+        let one = pool(1);
+        let four = pool(4);
         let a = one.install(|| clip_sum(&rec, 2.0).unwrap());
         let b = four.install(|| clip_sum(&rec, 2.0).unwrap());
         assert_eq!(a.sums, b.sums);
@@ -471,10 +461,7 @@ mod tests {
         let margin = [clip_margin(&rec, 0)];
         let tiled = clip_sum_tiled(&rec, &layout, &[40.0], &margin, Accumulate::Scaled).unwrap().0;
         for threads in [1usize, 2, 3, 7] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             let owned = pool
                 .install(|| clip_sum_owned(&rec, &layout, &[40.0], &margin, threads, Accumulate::Scaled))
                 .unwrap()
@@ -491,10 +478,7 @@ mod tests {
         ];
         let rec = Records::new(batch, parts).unwrap();
         let layout = Layout::new(&rec);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
+        let pool = pool(3);
         assert_eq!(
             pool.install(|| clip_sum_owned(&rec, &layout, &[1.0], &[0.0], 3, Accumulate::Scaled))
                 .unwrap_err(),
@@ -548,10 +532,7 @@ mod tests {
         check(&clip_sum_groups(&rec, &clips).unwrap(), "dispatch");
         check(&clip_sum_tiled(&rec, &layout, &clips, &margins, Accumulate::Scaled).unwrap().0, "tiled");
         for threads in [1usize, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             let owned = pool
                 .install(|| clip_sum_owned(&rec, &layout, &clips, &margins, threads, Accumulate::Scaled))
                 .unwrap()

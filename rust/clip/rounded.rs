@@ -139,6 +139,7 @@ pub fn clip_round_sum(
 mod tests {
     use super::*;
     use crate::records::Part;
+    use crate::testing::pool;
 
     fn reference(x: &[f32], batch: usize, w: usize, c: f64, g: f64) -> Vec<f64> {
         let mut out = vec![0.0; w];
@@ -153,12 +154,18 @@ mod tests {
         out
     }
 
+    /// Values in [−1, 1] from a multiplicative hash (i·7919 mod `m`, over `half`), every
+    /// `every`-th one scaled by `small`.
+    fn hashed(n: usize, m: usize, half: f32, every: usize, small: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 % m) as f32 / half - 1.0) * if i % every == 0 { small } else { 1.0 })
+            .collect()
+    }
+
     #[test]
     fn sums_the_rounded_clipped_records() {
         let (batch, w) = (37, 9000);
-        let x: Vec<f32> = (0..batch * w)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * if i % 3 == 0 { 0.01 } else { 1.0 })
-            .collect();
+        let x = hashed(batch * w, 1000, 500.0, 3, 0.01);
         let rec = Records::new(batch, vec![Part::new(Column::F32(&x), w)]).unwrap();
         let g = 1.0 / 4096.0;
         let out = clip_round_sum(&rec, 2.0, g, u128::MAX >> 1).unwrap();
@@ -177,9 +184,7 @@ mod tests {
     #[test]
     fn owned_and_tiled_paths_give_the_same_bits() {
         let (batch, w) = (23, 40_000);
-        let x: Vec<f32> = (0..batch * w)
-            .map(|i| ((i * 7919 % 1013) as f32 / 506.0 - 1.0) * if i % 5 == 0 { 0.03 } else { 1.0 })
-            .collect();
+        let x = hashed(batch * w, 1013, 506.0, 5, 0.03);
         let rec = Records::new(batch, vec![Part::new(Column::F32(&x), w)]).unwrap();
         let inv = [4096.0];
         let layout = Layout::new(&rec);
@@ -188,10 +193,7 @@ mod tests {
         let (tiled, tiled_sq) = clip_sum_tiled(&rec, &layout, &[30.0], &margins, mode).unwrap();
         assert_eq!(tiled_sq.len(), batch);
         for threads in [1usize, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             let (owned, sq) = pool
                 .install(|| clip_sum_owned(&rec, &layout, &[30.0], &margins, threads, mode))
                 .unwrap();

@@ -40,7 +40,8 @@ pub mod curve;
 pub mod loss;
 pub mod normal;
 
-use crate::error::{DpError, DpResult};
+use super::rdp_poisson;
+use crate::error::{require, DpError, DpResult};
 use compose::{compose, Composed, Part};
 use loss::{Bound, Direction, SubsampledGaussianLoss};
 
@@ -109,24 +110,10 @@ impl Bounds {
 
 fn check_groups(groups: &[Group]) -> DpResult<()> {
     for g in groups {
-        if !(0.0..=1.0).contains(&g.q) {
-            return Err(DpError::param(
-                "sampling_probability",
-                format!("must be in [0, 1], got {}", g.q),
-            ));
-        }
-        if !(g.sigma >= 0.0) {
-            return Err(DpError::param(
-                "noise_multiplier",
-                format!("must be >= 0, got {}", g.sigma),
-            ));
-        }
-        if !(g.count >= 0.0 && g.count.is_finite() && g.count.fract() == 0.0) {
-            return Err(DpError::param(
-                "count",
-                format!("must be a whole number >= 0, got {}", g.count),
-            ));
-        }
+        rdp_poisson::check_q(g.q, "sampling_probability")?;
+        rdp_poisson::check_z(g.sigma, "noise_multiplier")?;
+        let c = g.count;
+        require(c >= 0.0 && c.is_finite() && c.fract() == 0.0, "count", "a whole number >= 0", c)?;
     }
     Ok(())
 }
@@ -245,12 +232,7 @@ fn directions(groups: &[Group]) -> Vec<Direction> {
 /// The grid step for these groups (see the module docs).
 fn choose_interval(groups: &[Group], opts: &Options, tail: f64) -> DpResult<f64> {
     if let Some(d) = opts.interval {
-        if !(d > 0.0 && d.is_finite()) {
-            return Err(DpError::param(
-                "value_discretization_interval",
-                format!("must be > 0, got {d}"),
-            ));
-        }
+        require(d > 0.0 && d.is_finite(), "value_discretization_interval", "> 0", d)?;
         return Ok(d);
     }
     let w = window_width(groups, &directions(groups), tail)?;
@@ -292,13 +274,7 @@ fn with_composed<T>(
 }
 
 fn check_delta(delta: f64) -> DpResult<()> {
-    if !(delta > 0.0 && delta < 1.0) {
-        return Err(DpError::param(
-            "delta",
-            format!("must be in (0, 1), got {delta}"),
-        ));
-    }
-    Ok(())
+    require(delta > 0.0 && delta < 1.0, "delta", "in (0, 1)", delta)
 }
 
 /// Bounds on the smallest ε with the composition (ε, δ)-DP under add-or-remove (the worse of
@@ -384,12 +360,7 @@ pub fn delta_bounds(
     opts: &Options,
     lower: bool,
 ) -> DpResult<Bounds> {
-    if !(epsilon >= 0.0) {
-        return Err(DpError::param(
-            "epsilon",
-            format!("must be >= 0, got {epsilon}"),
-        ));
-    }
+    super::check_epsilon(epsilon)?;
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
     match plan(groups)? {
         Plan::Nothing => Ok(Bounds::exact(0.0, interval)),
