@@ -51,7 +51,12 @@ def _dim(d: Any) -> int:
     return operator.index(d)
 
 
+_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _float_array(a: ArrayLike, k: int) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype in _NATIVE_FLOATS and a.ndim and a.flags.c_contiguous and a.flags.aligned:
+        return a  # the common case, without np.require's overhead (a per-group cost in a NestedQuery)
     arr = a if isinstance(a, np.ndarray) else np.asarray(a)
     dt = arr.dtype
     if dt.kind != "f" or dt.itemsize not in (4, 8):

@@ -6,6 +6,7 @@ the group, e.g. the tensors of one layer); record i is row i of all of them, cli
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
@@ -36,6 +37,13 @@ class GaussianGlobalState:
 
     l2_norm_clip: float
     stddev: float
+
+
+@functools.lru_cache(maxsize=256)
+def _sum_event(l2_norm_clip: float, stddev: float) -> SumQueryEvent:
+    """The (immutable, validated) event of a Gaussian sum release; a step of a nested query
+    builds one per group with the same values every time."""
+    return SumQueryEvent(l2_norm_clip, stddev)
 
 
 def _state(sample_state: Any) -> SumState:
@@ -173,7 +181,7 @@ class GaussianSumQuery(DPQuery):
         clip = st.l2_norm_clip if st.l2_norm_clip is not None else gs.l2_norm_clip
         # The event reports the bound the records were clipped to (see SumState) and the noise
         # actually added; both are validated by SumQueryEvent before any noise is drawn.
-        event = SumQueryEvent(clip, gs.stddev)
+        event = _sum_event(clip, gs.stddev)
         return st.release([gs.stddev * a for a in scales], self._denominator(), event, gs)
 
     def _discrete_event(self, st: SumState, gs: GaussianGlobalState, clip: float) -> SumQueryEvent:
