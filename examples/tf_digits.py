@@ -20,7 +20,7 @@ def main(small: bool = False) -> dict:
 
     tf.random.set_seed(0)
     xtr, xte, ytr, yte = digits(300 if small else None)
-    epochs = 2 if small else 10
+    epochs = 5 if small else 10
 
     def model():
         return tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(32, activation="tanh"),

@@ -53,4 +53,6 @@ def test_tf_digits_small():
 
     base = float(re.search(r"non-private accuracy ([0-9.]+)", r.stdout).group(1))
     dp = float(re.search(r"DP-SGD accuracy ([0-9.]+)", r.stdout).group(1))
-    assert base > 0.4 and dp >= 0.2  # chance is 0.1; here 0.629 and 0.347 after 10 steps
+    # Chance is 0.1. 25 steps: in 14 runs here the baseline reached 0.83-0.89 and DP-SGD 0.42-0.60
+    # (with 10 steps DP-SGD ranged 0.18-0.38 and an earlier bound of 0.2 failed once in CI).
+    assert base > 0.6 and dp >= 0.3
