@@ -25,6 +25,7 @@
 
 use super::exact::*;
 use crate::chacha::ChaCha20;
+use crate::error::{DpError, DpResult};
 use num_bigint::BigUint;
 use rand_core::Rng;
 
@@ -77,9 +78,16 @@ pub(super) fn isqrt_ratio(num: u64, den: u64) -> u64 {
 }
 
 impl BlockSampler {
-    /// The sampler for σ² = num/den (num, den ≥ 1; σ ≤ 2³⁰).
-    pub(super) fn new(num: u64, den: u64) -> Self {
-        assert!(num > 0 && den > 0);
+    /// The sampler for σ² = num/den (num, den ≥ 1; σ ≤ 2³⁰). The errors are invariants of the
+    /// construction that `DiscreteGaussian::at_least`'s range guarantees; they are reported, not
+    /// panicked, should that ever change.
+    pub(super) fn new(num: u64, den: u64) -> DpResult<Self> {
+        let broken = |what: &str| {
+            DpError::param("noise_multiplier", format!("σ² = {num}/{den}: {what} (please report)"))
+        };
+        if num == 0 || den == 0 {
+            return Err(broken("the variance must be a positive ratio"));
+        }
         let s = isqrt_ratio(num, den);
         let (width, blocks) = if s < 128 {
             (1, 12 * s + 12)
@@ -122,13 +130,14 @@ impl BlockSampler {
         let mass: u128 = f.iter().map(|&(_, hi)| hi as u128).sum::<u128>() + f_tail;
         // Σ ⌈F_i·Λ/2⁶³⌉ ≤ Λ·mass/2⁶³ + n ≤ total − 2.
         let lam = ((total - n as u128 - 2) << 63) / mass;
-        let lam = u64::try_from(lam).expect("Λ ≤ n·2³² < 2⁶⁴");
+        let lam = u64::try_from(lam).map_err(|_| broken("Λ exceeds 2⁶⁴"))?;
         let up = |x: u128| (x * lam as u128).div_ceil(ONE as u128) as u64;
         let mut weights: Vec<u64> = f.iter().map(|&(_, hi)| up(hi as u128)).collect();
         weights.push(up(f_tail));
         let used: u128 = weights.iter().map(|&w| w as u128).sum();
         // The rest goes to block 0, which only lowers its acceptance C_0 (still exact).
-        weights[0] += u64::try_from(total - used).expect("within the total");
+        let rest = total.checked_sub(used).ok_or_else(|| broken("the weights exceed their total"))?;
+        weights[0] += u64::try_from(rest).map_err(|_| broken("the weights' remainder exceeds 2⁶⁴"))?;
         me.c_lo = f
             .iter()
             .zip(&weights)
@@ -154,19 +163,21 @@ impl BlockSampler {
                     b if b > 63 => shift -= 1,
                     b if b < 63 => shift += 1,
                     _ => {
-                        me.inv = u64::try_from(inv).expect("63 bits");
+                        me.inv = u64::try_from(inv).map_err(|_| broken("1/2σ² has no 63-bit form"))?;
                         break;
                     }
                 }
             }
-            assert!(shift >= 63, "block widths above 1 need σ ≥ 128");
+            if shift < 63 {
+                return Err(broken("block widths above 1 need σ ≥ 128"));
+            }
             me.shift = shift;
             // inv is short of 2^shift/2σ² by less than 1, so the product by n_k is short by less
             // than n_k/2^(shift − 63) ulps, plus one for the final floor.
             let max_nk = (width - 1) * (2 * y_max + width);
             me.slack = (max_nk >> (shift - 63)) + 2;
         }
-        me
+        Ok(me)
     }
 
     /// a = k²/2σ² in 2⁻⁶³ units, rounded down (integer part capped at 64, where exp(−a) is 0
@@ -331,7 +342,7 @@ mod tests {
     #[test]
     fn each_proposal_is_accepted_with_probability_t() {
         // σ = 1000.5 (blocks of 15): T(k) = f(k)·Λ/w_b, measured where it is far from 1 too.
-        let s = BlockSampler::new(1_001_001, 1);
+        let s = BlockSampler::new(1_001_001, 1).unwrap();
         let mut r = crate::rng::chunk_rng(&crate::rng::Seed::Fixed(11).key().unwrap(), 0);
         let s2 = 1_001_001f64;
         assert!(s.width > 1);
@@ -354,7 +365,7 @@ mod tests {
     #[test]
     fn acceptance_never_exceeds_one_and_rarely_rejects() {
         for (num, den) in [(1u64, 1u64 << 40), (9, 4), (123_456_789, 1 << 10), (1 << 58, 1)] {
-            let s = BlockSampler::new(num, den);
+            let s = BlockSampler::new(num, den).unwrap();
             assert!(s.c_hi.iter().all(|&c| c <= ONE));
             assert!(s.c_lo.iter().zip(&s.c_hi).all(|(l, h)| l <= h));
             let total: u128 = s.weights.iter().map(|&w| w as u128).sum();

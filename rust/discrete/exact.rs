@@ -66,9 +66,10 @@ fn series_bounds(r: &BigUint, den: &BigUint, p: u32) -> (BigUint, BigUint) {
         }
     }
     let err = BigUint::from((j + 2) * (j + 2));
-    // pos − neg ≥ e⁻¹·2^p − err > err for p ≥ 16, so neither subtraction underflows.
-    let s = pos - neg;
-    (&s - &err, s + err)
+    // pos − neg ≥ e⁻¹·2^p − err > err for p ≥ 16; the guards keep even a misuse from panicking.
+    let s = if pos > neg { pos - neg } else { BigUint::ZERO };
+    let lo = if s > err { &s - &err } else { BigUint::ZERO };
+    (lo, s + err)
 }
 
 /// Bounds (lo, hi) with lo ≤ exp(−num/den)·2^p ≤ hi, exact big-integer arithmetic: e^(−⌊a⌋) as

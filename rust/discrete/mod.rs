@@ -76,16 +76,16 @@ impl DiscreteGaussian {
         let den = 1u64 << k;
         // s2·2^k is exact (a power-of-two scaling); its ceiling is ≥ s2·2^k.
         let num = (s2 * den as f64).ceil() as u64;
-        Ok(Self::exact(num, den))
+        Self::exact(num, den)
     }
 
-    /// σ² = num/den exactly.
-    pub fn exact(num: u64, den: u64) -> Self {
-        DiscreteGaussian {
+    /// σ² = num/den exactly (num, den ≥ 1, σ ≤ 2³⁰).
+    pub fn exact(num: u64, den: u64) -> DpResult<Self> {
+        Ok(DiscreteGaussian {
             num,
             den,
-            sampler: blocks::BlockSampler::new(num, den),
-        }
+            sampler: blocks::BlockSampler::new(num, den)?,
+        })
     }
 
     /// σ² as (num, den).
@@ -254,7 +254,7 @@ mod tests {
     #[test]
     fn small_sigma_matches_the_pmf() {
         // σ² = 9/4 exactly: cells of one integer over |y| ≤ 5 and the tails.
-        let dg = DiscreteGaussian::exact(9, 4);
+        let dg = DiscreteGaussian::exact(9, 4).unwrap();
         let (stat, dof) = chi2(&dg, &mut rng(5), 400_000, 1, 5);
         assert_eq!(dof, 12);
         // The 0.999 quantile of χ²(12) is 32.9.
@@ -277,7 +277,7 @@ mod tests {
     fn the_exact_path_alone_matches_the_pmf() {
         // Every acceptance through big-integer bounds and lazily extended bits.
         for (dg, width, cells) in [
-            (DiscreteGaussian::exact(9, 4), 1i64, 5i64),
+            (DiscreteGaussian::exact(9, 4).unwrap(), 1i64, 5i64),
             (DiscreteGaussian::at_least(700.0).unwrap(), 61, 23),
         ] {
             let mut dg = dg;
