@@ -104,7 +104,8 @@ pub fn clip_round_sum(
             "the rounded clipped sum takes records of one group".into(),
         ));
     }
-    let nb = column_blocks(records).len();
+    // Column blocks per call (the screen's error bound counts one partial sum per block).
+    let nb: usize = records.parts.iter().map(|p| p.width.div_ceil(BLOCK)).sum();
     let (clipped, sq) = clip_accumulate(records, &[l2_norm_clip], Accumulate::Rounded(&inv))?;
     let ClippedSum { mut sums, norms } = clipped;
     // ŝ ≤ s·(1 + (n+1)·2⁻⁵³) for a sum of n non-negative terms each rounded once, in any order
