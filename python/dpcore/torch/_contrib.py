@@ -136,11 +136,12 @@ class Factored(Contribution):
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         b, t, dout = self.g.shape
+        wd = acc.dtype  # float32 or wider (see _amp.work_dtype): bfloat16 factors widen exactly
         if self.a is None:
             if self.colsum is not None:  # Σ_i c_i (Σ_t g_it) from the sums the norm formed
                 s = c.to(self.colsum.dtype) @ self.colsum
             else:
-                s = (self.g * c.to(self.g.dtype)[:, None, None]).sum((0, 1))
+                s = (self.g.to(wd) * c.to(wd)[:, None, None]).sum((0, 1))
             _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
             return
         din = self.a.shape[2]
@@ -152,10 +153,10 @@ class Factored(Contribution):
         key = (id(f), id(c))
         fc = cache.get(key) if cache is not None else None
         if fc is None:
-            fc = f * c.to(f.dtype)[:, None, None]
+            fc = f.to(wd) * c.to(wd)[:, None, None]
             if cache is not None:
                 cache[key] = fc
-        gg, aa = (self.g, fc) if scale_a else (fc, self.a)
+        gg, aa = (self.g.to(wd), fc) if scale_a else (fc, self.a.to(wd))
         lhs, rhs = gg.reshape(b * t, dout).t(), aa.reshape(b * t, din)
         if target.dtype == lhs.dtype:
             target.addmm_(lhs, rhs.to(lhs.dtype))  # one pass: the product accumulates in place
@@ -212,7 +213,7 @@ class Rows(Contribution):
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         d = self.g.shape[2]
-        rows = (self.g * c.to(self.g.dtype)[:, None, None]).reshape(-1, d)
+        rows = (self.g.to(acc.dtype) * c.to(acc.dtype)[:, None, None]).reshape(-1, d)
         acc.index_add_(0, self.idx.reshape(-1), rows.to(acc.dtype))
 
 
@@ -238,7 +239,7 @@ class Dense(Contribution):
         return self.per[lo:hi].double(), torch.zeros(hi - lo, dtype=torch.float64, device=self.per.device)
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
-        s = torch.tensordot(c.to(self.per.dtype), self.per, dims=([0], [0]))
+        s = torch.tensordot(c.to(acc.dtype), self.per.to(acc.dtype), dims=([0], [0]))
         _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
 
 

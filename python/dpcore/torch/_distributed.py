@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..ledger import LedgerError, PrivacyLedger
+from ._amp import work_dtype
 
 __all__ = ["DistributedError", "Communicator", "current_communicator", "resolve_ledger", "unwrap_ddp"]
 
@@ -147,7 +148,8 @@ def flat_views(params: Sequence[torch.Tensor], flag: bool = False) -> Tuple[List
     views: Dict[int, torch.Tensor] = {}
     for (dt, dev), ps in groups.items():
         extra = 1 if flag and not bufs else 0
-        buf = torch.zeros(sum(p.numel() for p in ps) + extra, dtype=dt, device=dev)
+        # float32 or wider whatever the parameters' dtype: noise and sums are never bfloat16
+        buf = torch.zeros(sum(p.numel() for p in ps) + extra, dtype=work_dtype(dt), device=dev)
         bufs.append(buf)
         off = 0
         for p in ps:

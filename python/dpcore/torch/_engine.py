@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from ._amp import work_dtype
 from ._contrib import Contribution, gather, param_sq_norms, row_sq
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
@@ -136,6 +137,11 @@ class PerRecordGradients:
         self.microbatch_size = microbatch_size
         self.enabled = True
         self.batch_hint = 0  # the last record count a layer saw (see EmbeddingRule)
+        #: The factor the loss was multiplied by before backward (a GradScaler's scale): the
+        #: captured gradients are divided by it, so norms and clipped sums are of the true ones.
+        self.loss_scale = 1.0
+        #: Ids of the backward passes whose contributions are held (see squared_norms).
+        self.passes: Set[int] = set()
         for mname, m in model.named_modules():
             if isinstance(m, _BATCH_MIXING):
                 raise ValueError(
@@ -186,7 +192,9 @@ class PerRecordGradients:
         if missing:
             raise ValueError(
                 f"{len(missing)} trainable parameter(s) of the optimizer (shapes "
-                f"{[tuple(p.shape) for p in missing][:4]}) do not belong to any module of the model"
+                f"{[tuple(p.shape) for p in missing][:4]}) do not belong to any module of the model: per-record "
+                "gradients are captured in the forward passes of the model's modules; pass the model that owns "
+                "them, or leave them out of the optimizer"
             )
         self._hooks = [p.register_hook(self._bypass(n)) for p, n in zip(self.params, self.param_names)]
         self._used: List[Optional[List[Contribution]]] = []
@@ -225,6 +233,7 @@ class PerRecordGradients:
         for r in self.rules:
             r.clear()
         self._used = []
+        self.passes = set()
 
     @torch.no_grad()
     def squared_norms(self) -> Tuple[int, List[Optional[torch.Tensor]]]:
@@ -235,6 +244,14 @@ class PerRecordGradients:
         if not contribs:
             self._used = [None] * n
             return 0, [None] * n
+        if len(self.passes) > 1:
+            # Record i of one backward pass and record i of the next are different records; their
+            # factors must never be merged into one norm.
+            raise ValueError(
+                f"the per-record gradients of {len(self.passes)} backward passes are pending: call "
+                "optimizer.step() after every backward pass (or optimizer.accumulate() to add a micro-batch "
+                "to the logical batch), or optimizer.zero_grad() to drop them"
+            )
         sizes = {c.batch for _, c in contribs}
         if len(sizes) > 1:
             for r in self.rules:
@@ -256,7 +273,7 @@ class PerRecordGradients:
             self.clear()
             self._used = [None] * n
             return 0, [None] * n
-        self._scale = float(b) if self.loss_reduction == "mean" else 1.0
+        self._scale = (float(b) if self.loss_reduction == "mean" else 1.0) / self.loss_scale
         cs = [c for _, c in contribs]
         units = b
         k = self.microbatch_size
@@ -286,7 +303,8 @@ class PerRecordGradients:
     def clipped_sums(
         self, factors: List[Optional[torch.Tensor]], into: Optional[Sequence[Optional[torch.Tensor]]] = None
     ) -> List[Optional[torch.Tensor]]:
-        """Σ_i c_i·g_i per parameter (the parameter's dtype and device); None where no record.
+        """Σ_i c_i·g_i per parameter (on its device, in float32 or wider: :func:`work_dtype`);
+        None where no record.
 
         Call after :meth:`squared_norms`. With ``into``, parameter k's sum is added in place
         into ``into[k]`` when that is a tensor (and that tensor is returned): a linear use's
@@ -302,8 +320,9 @@ class PerRecordGradients:
                 if used is None or factors[k] is None:
                     out.append(base)
                     continue
-                direct = base is not None and base.dtype == p.dtype and base.device == p.device and base.is_contiguous()
-                acc = base if direct else torch.zeros_like(p, memory_format=torch.contiguous_format)
+                wd = work_dtype(p.dtype)
+                direct = base is not None and base.dtype == wd and base.device == p.device and base.is_contiguous()
+                acc = base if direct else torch.zeros_like(p, dtype=wd, memory_format=torch.contiguous_format)
                 key = ("c", id(factors[k]))
                 c = cache.get(key)
                 if c is None:  # one scaled copy per group, shared by its parameters

@@ -26,6 +26,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
+from ._amp import amp_cast, amp_dtype
+
 __all__ = ["recurrent_forward"]
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
@@ -140,6 +142,16 @@ class _RecurrentFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], anchor: torch.Tensor, w: Tuple[Any, ...], conf: Tuple[Any, ...]) -> Tuple[torch.Tensor, ...]:
+        if amp_dtype(x.device.type) is None:
+            return _RecurrentFn._run(ctx, x, h0, c0, w, conf)
+        # Under autocast: the whole recurrence in the autocast dtype (as autocast runs PyTorch's
+        # own recurrent kernels), with autocast off inside so that nothing is cast back and forth.
+        x, h0, c0, *ws = amp_cast(x, h0, c0, *w)
+        with torch.autocast(x.device.type, enabled=False):
+            return _RecurrentFn._run(ctx, x, h0, c0, tuple(ws), conf)
+
+    @staticmethod
+    def _run(ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor], w: Tuple[Any, ...], conf: Tuple[Any, ...]) -> Tuple[torch.Tensor, ...]:
         mode, reverse, sink = conf
         w_ih, w_hh, b_ih, b_hh = w
         xt = x.transpose(0, 1)  # (T, B, in)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ._amp import amp_cast as _amp_cast, amp_dtype
 from ._contrib import Contribution, Dense, Factored, Rows, RowRange
 
 __all__ = ["LayerRule", "register_layer", "rule_for"]
@@ -44,6 +45,11 @@ class _Flags(threading.local):
 
 
 _flags = _Flags()
+
+
+def _graph_task() -> int:
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    return int(f()) if f is not None else -1
 
 
 def _functorch_active() -> bool:
@@ -68,10 +74,10 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], wrows: RowRange, brows: RowRange, sink: Callable) -> torch.Tensor:
-        w = _sl(weight.detach(), wrows)
+        x, w, b = _amp_cast(x, _sl(weight.detach(), wrows), _sl(None if bias is None else bias.detach(), brows))
         ctx.save_for_backward(x, w)
         ctx.sink = sink
-        return F.linear(x, w, _sl(None if bias is None else bias.detach(), brows))
+        return F.linear(x, w, b)
 
     @staticmethod
     @once_differentiable
@@ -103,14 +109,12 @@ class _ConvFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conf: Any, sink: Callable) -> torch.Tensor:
-        w = weight.detach()
+        x, w, b = _amp_cast(x, weight.detach(), None if bias is None else bias.detach())
         ctx.save_for_backward(x, w)
         ctx.conf, ctx.sink = conf, sink
         stride, padding, dilation, groups = conf
         nd = x.dim() - 2
-        return torch.ops.aten.convolution(
-            x, w, None if bias is None else bias.detach(), stride, padding, dilation, False, [0] * nd, groups
-        )
+        return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, [0] * nd, groups)
 
     @staticmethod
     @once_differentiable
@@ -204,6 +208,7 @@ class LayerRule:
         self.name, self.module, self.params, self.engine = name, module, params, engine
         self.contributions: List[Contribution] = []
         self._had_instance_forward = "forward" in module.__dict__
+        self._fwd_task = -1
         self._orig = module.forward
 
     # -- engine plumbing
@@ -223,6 +228,7 @@ class LayerRule:
     def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active():
             return self._orig(*args, **kwargs)
+        self._fwd_task = _graph_task()
         a = args[0] if args else None
         if isinstance(a, torch.Tensor) and a.dim() >= 2:
             n = a.shape[0] if (self.engine.batch_first or a.dim() < 3) else a.shape[1]
@@ -235,6 +241,11 @@ class LayerRule:
 
     def add(self, c: Contribution) -> None:
         self.contributions.append(c)
+        # Which backward pass this came from: records of two passes must never be merged. A
+        # forward recomputed inside a backward pass (reentrant activation checkpointing) belongs
+        # to that outer pass, whatever backward its recomputation then runs.
+        t = self._fwd_task if self._fwd_task != -1 else _graph_task()
+        self.engine.passes.add(t)
 
     # -- what subclasses implement
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -298,11 +309,11 @@ class _TransposedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], sink: Callable) -> torch.Tensor:
-        w = weight.detach()
+        x, w, b = _amp_cast(x, weight.detach(), None if bias is None else bias.detach())
         ctx.save_for_backward(x, w)
         ctx.sink = sink
         y = x.matmul(w)
-        return y if bias is None else y + bias.detach()
+        return y if b is None else y + b
 
     @staticmethod
     @once_differentiable
@@ -513,10 +524,21 @@ class GenericRule(LayerRule):
             )
         dargs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        # The per-record recomputation runs in the backward pass, outside autocast: it re-enters
+        # the forward's autocast state so that it multiplies what the forward multiplied.
+        dev = out.device.type
+        amp = amp_dtype(dev)
+
+        def per_record(g: torch.Tensor, seq_first: bool = False) -> None:
+            if amp is None:
+                return self._per_record(dargs, kwargs, g, seq_first=seq_first)
+            with torch.autocast(dev, dtype=amp):
+                return self._per_record(dargs, kwargs, g, seq_first=seq_first)
+
         if _seq_first(self, out):
             dargs = tuple(a.transpose(0, 1) if isinstance(a, torch.Tensor) and a.dim() >= 3 else a for a in dargs)
-            return self.tap(out, lambda g: self._per_record(dargs, kwargs, g.transpose(0, 1), seq_first=True))
-        return self.tap(out, lambda g: self._per_record(dargs, kwargs, g))
+            return self.tap(out, lambda g: per_record(g.transpose(0, 1), seq_first=True))
+        return self.tap(out, per_record)
 
     def _per_record(self, args: Any, kwargs: Any, g: torch.Tensor, seq_first: bool = False) -> None:
         from torch.func import vjp, vmap
