@@ -275,14 +275,21 @@ def _gram(x: torch.Tensor, cache: Optional[dict], key: Any) -> torch.Tensor:
     return out
 
 
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """bfloat16/float16 as float32 (exact: every such value is a float32)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.Tensor:
     """Upper bounds of ‖Σ_u Σ_t g_t a_tᵀ‖² per record over same-row factored uses (one longer
     sequence). Mixed ghost clipping (Bu et al. 2023, "Differentially private optimization on
     large model at small cost"): per record, the ghost norm Σ_{t,s}(a_t·a_s)(g_t·g_s) (Li et
     al. 2022) costs T²(din+dout) and materialising g_iᵀa_i costs T·din·dout; the cheaper one is
     taken. Float32 products run in float32 (no float64 copy of the activations) with their
-    worst-case rounding error γ_n added to the bound; other dtypes in float64."""
-    g = cs[0].g if len(cs) == 1 else torch.cat([c.g for c in cs], 1)
+    worst-case rounding error γ_n added to the bound; other dtypes in float64. bfloat16 and
+    float16 factors (mixed precision) are widened to float32 first, exactly."""
+    g0 = cs[0].g if len(cs) == 1 else torch.cat([c.g for c in cs], 1)
+    g = _widen(g0)
     b, t, dout = g.shape
     if cs[0].a is None:
         (sg,) = row_sq(g.reshape(b * t, dout))
@@ -299,7 +306,8 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
             return (_sq(cols, 1).sqrt() + (rel + 2.0 * (t + 2) * _U64) * gn.sum(1)).square()
         bs = _sq(g.sum(1, dtype=torch.float64), 1)
         return (bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square()
-    a = cs[0].a if len(cs) == 1 else torch.cat([c.a for c in cs], 1)
+    a0 = cs[0].a if len(cs) == 1 else torch.cat([c.a for c in cs], 1)
+    a = _widen(a0)
     din = a.shape[2]
     if t == 1:
         sx, sg = row_sq(a[:, 0], g[:, 0])
@@ -316,8 +324,9 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
             ai, gi = a[i : i + chunk], g[i : i + chunk]
             if not fast:
                 ai, gi = ai.double(), gi.double()
-            ga = _gram(ai, cache, (id(a), i, fast))
-            gg = _gram(gi, cache, (id(g), i, fast))
+            # keyed by the layer's own tensors (a widened copy's id may be reused once it is freed)
+            ga = _gram(ai, cache, (id(a0), i, fast))
+            gg = _gram(gi, cache, (id(g0), i, fast))
             # each row's t products summed in the Grams' dtype, the rows in float64
             parts.append((ga * gg).sum(2).double().sum(1))
         w = torch.cat(parts)

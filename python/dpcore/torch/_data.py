@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 import torch
@@ -47,6 +47,12 @@ class DPDataLoader:
 
     Under ``torch.distributed`` (initialised, world size W > 1) the loader yields this rank's
     part of each sample: about q·N/W records (``last_indices`` are indices into the dataset).
+
+    Checkpoints: :meth:`state_dict` (samples drawn, and logical batches done in the current
+    pass) and :meth:`load_state_dict`, which :class:`DPOptimizer`'s state dict carries. After a
+    load, the next ``for batch in loader`` yields the rest of the interrupted pass (``steps -
+    done`` logical batches), later passes are full, and a seeded loader draws exactly the samples
+    of an uninterrupted run. A state taken in the middle of a logical batch is refused.
     """
 
     def __init__(
@@ -91,6 +97,10 @@ class DPDataLoader:
         self.samples_drawn = 0
         self.last_indices: Optional[np.ndarray] = None
         self._draws = 0
+        # Logical batches drawn in the current pass, and where the next pass starts after
+        # load_state_dict (None: a full pass).
+        self._pass_done = 0
+        self._resume_at: Optional[int] = None
 
     @classmethod
     def from_data_loader(cls, data_loader: DataLoader, *, ledger: PrivacyLedger, **kw: Any) -> "DPDataLoader":
@@ -141,9 +151,13 @@ class DPDataLoader:
         return r + w * local
 
     def __iter__(self) -> Iterator[Any]:
-        for _ in range(self.steps):
+        start, self._resume_at = self._resume_at, None
+        self._pass_done = 0 if start is None or start >= self.steps else start
+        while self._pass_done < self.steps:
             idx = self._sample()
             self.samples_drawn += 1
+            self._pass_done += 1
+            self._resume_at = None  # a resumed position is consumed by the pass that runs now
             m = self.max_physical_batch_size
             chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]
             for k, c in enumerate(chunks):
@@ -151,6 +165,63 @@ class DPDataLoader:
                 self.last_indices = c
                 yield self._fetch(c)
             self.logical_batch_complete = True
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the loader stands, in plain Python types: samples drawn (a seeded loader derives
+        each sample's seed from their count) and logical batches done in the current pass (0
+        after a pass's last batch: the next iteration is a full pass). Take it at a release
+        boundary, after :meth:`DPOptimizer.step`; :meth:`load_state_dict` refuses a state taken
+        in the middle of a logical batch (micro-batches)."""
+        return {
+            "kind": "DPDataLoader",
+            "samples_drawn": int(self.samples_drawn),
+            "draws": int(self._draws),
+            "pass_position": int(self._pass_done if self._pass_done < self.steps else 0),
+            "steps": int(self.steps),
+            "sampling_probability": float(self.sampling_probability),
+            "population_size": int(self.n),
+            "logical_batch_complete": bool(self.logical_batch_complete),
+        }
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raises (ValueError) if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        if not isinstance(state, dict) or state.get("kind") != "DPDataLoader":
+            raise ValueError(f"not a DPDataLoader state (kind {state.get('kind') if isinstance(state, dict) else type(state).__name__!r})")
+        for key in ("samples_drawn", "draws", "pass_position", "steps"):
+            v = state.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DPDataLoader state: {key} must be a non-negative int, got {v!r}")
+        if not state.get("logical_batch_complete", True):
+            raise ValueError(
+                "the DPDataLoader state was taken in the middle of a logical batch (micro-batches): the records "
+                "accumulated so far are not in any checkpoint; take checkpoints at release boundaries, after the "
+                "optimizer step that completes a logical batch (optimizer.last_step_released is True)"
+            )
+        if not self.logical_batch_complete:
+            raise ValueError(
+                "this DPDataLoader is in the middle of a logical batch (micro-batches); restore a checkpoint "
+                "before iterating, or at a release boundary"
+            )
+        if int(state["population_size"]) != self.n or float(state["sampling_probability"]) != self.sampling_probability:
+            raise ValueError(
+                f"the DPDataLoader state is for n={state['population_size']}, q={state['sampling_probability']}; "
+                f"this loader has n={self.n}, q={self.sampling_probability}"
+            )
+        if int(state["pass_position"]) > self.steps:
+            raise ValueError(f"pass_position {state['pass_position']} exceeds this loader's {self.steps} steps per pass")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`: the next ``for batch in loader`` continues the pass where
+        the state was taken (``steps - pass_position`` logical batches), later passes are full, and
+        a seeded loader draws the same samples as an uninterrupted run."""
+        self.check_state_dict(state)
+        self.samples_drawn = int(state["samples_drawn"])
+        self._draws = int(state["draws"])
+        self._pass_done = int(state["pass_position"])
+        self._resume_at = self._pass_done
+        self.logical_batch_complete = True
 
 
 def _take_none(batch: Any) -> Any:

@@ -9,6 +9,7 @@ and only then is the noised average handed to the wrapped optimizer's update rul
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,12 +33,22 @@ from ..queries.base import derive_seed
 from ..queries.events import ComposedQueryEvent
 from ..queries.microbatch import scale_sensitivity
 from ._distributed import DistributedError, current_communicator, flat_views, resolve_ledger, unwrap_ddp
+from ._amp import work_dtype
 from ._engine import PerRecordGradients, clip_factors, clip_margin
 from .._validate import positive as _positive
 
-__all__ = ["DPOptimizer"]
+__all__ = ["DPOptimizer", "OverflowSkipWarning"]
 
 CLIPPING = ("flat", "per_layer", "joint")
+
+
+class OverflowSkipWarning(UserWarning):
+    """A step was skipped because the GradScaler found an overflow: nothing was released or
+    recorded (see :meth:`DPOptimizer.attach_grad_scaler`)."""
+
+
+class _Overflow(Exception):
+    """Scaled per-record gradients overflowed (float16 with a GradScaler)."""
 
 
 
@@ -102,6 +113,12 @@ class DPOptimizer(torch.optim.Optimizer):
     Call ``loss.backward()`` then :meth:`step` for every (micro-)batch; an empty Poisson batch
     must be stepped too (it releases pure noise).
 
+    Checkpoints: :meth:`state_dict` carries the DP state (release count, the queries' global
+    states, the data loader's position, the ledger's path and length) beside the wrapped
+    optimizer's; :meth:`load_state_dict` restores it after checking that the ledger is the
+    checkpoint's, with exactly its releases (``ledger_ahead="keep"`` accepts a ledger that
+    recorded releases after the checkpoint, keeping them counted).
+
     Under ``torch.distributed`` (initialised, world size > 1) the optimizer runs data-parallel
     (:mod:`dpcore.torch._distributed`): ``model`` may be plain or wrapped in
     ``DistributedDataParallel`` (its own all-reduce is switched off: the clipped sums are reduced
@@ -128,6 +145,7 @@ class DPOptimizer(torch.optim.Optimizer):
         grad_sample_mode: str = "auto",
         batch_first: bool = True,
         data_loader: Any = None,
+        grad_scaler: Any = None,
         seed: Optional[int] = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -222,7 +240,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 )
         self._pending: Optional[List[Tuple[ReleasePlan, Any]]] = None
         self._margins = [
-            clip_margin(sum(self._params[k].numel() for k in g.members), self._params[g.members[0]].dtype)
+            clip_margin(sum(self._params[k].numel() for k in g.members), work_dtype(self._params[g.members[0]].dtype))
             for g in self._groups
         ]
         self._acc: List[Optional[torch.Tensor]] = [None] * m
@@ -241,6 +259,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
         self.last_step_released = False
+        #: What :meth:`load_state_dict` does when the ledger holds releases beyond the
+        #: checkpoint's: ``"refuse"`` (raise) or ``"keep"`` (resume, keeping them counted).
+        self.ledger_ahead = "refuse"
+        # Which parameters train is fixed at wrap time (see _check_trainable).
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._watch = [(names.get(id(p), f"<parameter of shape {tuple(p.shape)}>"), p, p.requires_grad) for p in params]
+        #: Steps skipped because the GradScaler found an overflow (nothing released or recorded).
+        self.skipped_steps = 0
+        self._overflowed = False
+        self.grad_scaler: Any = None
+        if grad_scaler is not None:
+            self.attach_grad_scaler(grad_scaler)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -261,10 +291,32 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.state = v
 
     def state_dict(self) -> Dict[str, Any]:
-        return self.original_optimizer.state_dict()
+        """``{"optimizer": <the wrapped optimizer's state dict>, "dpcore": {...}}``, in plain
+        Python types and tensors (``torch.load(..., weights_only=True)`` reads it). The
+        ``dpcore`` part holds the release count, each query group's global state (adaptive
+        clipping's clip norm), noise multiplier, clipping and parameter names and shapes, the
+        data loader's :meth:`~DPDataLoader.state_dict`, and the ledger's absolute path and
+        length. Take it at a release boundary (after the :meth:`step` that releases); see
+        :mod:`dpcore.torch._checkpoint`."""
+        from ._checkpoint import optimizer_state
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
+        return {"optimizer": self.original_optimizer.state_dict(), "dpcore": optimizer_state(self)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any], *, ledger_ahead: Optional[str] = None) -> None:
+        """Restores :meth:`state_dict`, after checking everything (nothing is half-loaded).
+
+        Refused (``ValueError``) for a differently shaped or configured optimizer, or a state
+        taken in the middle of a logical batch. The ledger must be the same file (by real path)
+        holding exactly the releases the checkpoint saw: fewer raises
+        :class:`dpcore.ledger.LedgerError` (a truncated or foreign ledger would under-state ε);
+        more (a crash after a release was recorded, before the next checkpoint) raises too
+        unless ``ledger_ahead="keep"`` (default: the :attr:`ledger_ahead` attribute,
+        ``"refuse"``), which keeps those releases in the ledger, still counted (ε over-counts,
+        the safe side). A bare wrapped-optimizer state dict (older checkpoints) loads the
+        optimizer's state only, with a warning."""
+        from ._checkpoint import load_optimizer_state
+
+        load_optimizer_state(self, state_dict, ledger_ahead)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise RuntimeError("add parameter groups before wrapping: the per-record capture is set up at construction")
@@ -297,6 +349,11 @@ class DPOptimizer(torch.optim.Optimizer):
         factors: List[Optional[torch.Tensor]] = [None] * len(sq)
         if b == 0:
             return 0, factors
+        if self._scaling():
+            sums = [s.sum() for s in sq if s is not None]
+            if sums and not bool(torch.isfinite(torch.stack(sums).sum())):
+                self.engine.clear()
+                raise _Overflow()
         dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
         states = []
         for g, margin in zip(self._groups, self._margins):
@@ -421,7 +478,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     continue
                 p = self._params[k]
                 # Shared with torch without a copy on CPU; copied to the device otherwise.
-                z = z.to(device=p.device, dtype=p.dtype, non_blocking=True)
+                z = z.to(device=p.device, dtype=work_dtype(p.dtype), non_blocking=True)
                 acc = self._acc[k]
                 self._acc[k] = z if acc is None else acc.add_(z)
 
@@ -451,21 +508,115 @@ class DPOptimizer(torch.optim.Optimizer):
             )
             for k, o in zip(g.members, outs):
                 p = self._params[k]
-                self._acc[k] = torch.from_numpy(o).to(device=p.device, dtype=p.dtype)
+                self._acc[k] = torch.from_numpy(o).to(device=p.device, dtype=work_dtype(p.dtype))
 
     @torch.no_grad()
     def _release(self, write: Future) -> None:
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
         write.result()
         self._releases += 1
+        self._set_grads()
+
+    def _set_grads(self) -> None:
+        """The released average (float32 or wider) becomes each parameter's ``.grad``, cast
+        once to the parameter's dtype (bfloat16 or float16 parameters): post-processing."""
         for k, gr in enumerate(self._acc):
             if gr is not None:
-                self._params[k].grad = gr
+                p = self._params[k]
+                self._params[k].grad = gr if gr.dtype == p.dtype else gr.to(p.dtype)
         self._acc = [None] * len(self._acc)
 
     def _logical_complete(self) -> bool:
         dl = self.data_loader
         return True if dl is None else bool(getattr(dl, "logical_batch_complete", True))
+
+    # -- mixed precision: torch.amp.GradScaler ----------------------------------------
+
+    #: GradScaler.step(optimizer) hands this optimizer the scale instead of unscaling ``.grad``
+    #: (which dpcore leaves empty until the release): see :meth:`attach_grad_scaler`.
+    _step_supports_amp_scaling = True
+
+    def attach_grad_scaler(self, grad_scaler: Any) -> None:
+        """Trains with float16 autocast and ``torch.amp.GradScaler`` (also ``make_private(...,
+        grad_scaler=scaler)``)::
+
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)       # or optimizer.step()
+            scaler.update()
+
+        The per-record gradients are captured scaled by the scaler's scale S and divided by S
+        before their norms are taken, so the clip sees unscaled gradients. When a scaled
+        per-record gradient overflowed (inf or NaN), the step is skipped: nothing is released,
+        nothing is recorded in the ledger, no update is applied, an :class:`OverflowSkipWarning`
+        says so, :attr:`skipped_steps` counts it, and the scaler is told so that ``update()``
+        lowers its scale. With micro-batches, an overflow in any of them skips the whole
+        logical batch. bfloat16 autocast needs no scaler."""
+        if not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "_per_optimizer_states")):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        if self._comm is not None:
+            raise NotImplementedError("grad_scaler with data-parallel training is not supported yet")
+        self.grad_scaler = grad_scaler
+
+    def _scaling(self) -> bool:
+        s = self.grad_scaler
+        return s is not None and bool(s.is_enabled())
+
+    def _sync_loss_scale(self) -> None:
+        if self.grad_scaler is None and getattr(self, "grad_scale", None) is not None:
+            self.engine.clear()
+            raise RuntimeError(
+                "GradScaler.step() was called on a DPOptimizer that does not know the scaler: pass "
+                "grad_scaler=scaler to make_private (or call optimizer.attach_grad_scaler(scaler))"
+            )
+        self.engine.loss_scale = float(self.grad_scaler.get_scale()) if self._scaling() else 1.0
+
+    def _tell_scaler(self, found_inf: bool) -> None:
+        """What ``GradScaler.update()`` reads: whether this step found an overflow."""
+        if not self._scaling():
+            return
+        s = self.grad_scaler
+        dev = s._scale.device if getattr(s, "_scale", None) is not None else torch.device("cpu")
+        flag = torch.full((1,), 1.0 if found_inf else 0.0, dtype=torch.float32, device=dev)
+        s._per_optimizer_states[id(self)]["found_inf_per_device"] = {dev: flag}
+
+    def _skip_overflow(self, releasing: bool, drawn: Optional[int]) -> None:
+        """Drops the logical batch after an overflow; at its end, skips the release."""
+        self._discard()
+        for p in self._params:
+            p.grad = None
+        self.last_step_released = False
+        if not releasing:
+            self._overflowed = True
+            return
+        self._overflowed = False
+        if drawn is not None:
+            self._drawn_at_release = drawn
+        self.skipped_steps += 1
+        warnings.warn(
+            f"step skipped: the GradScaler's scaled per-record gradients overflowed at scale "
+            f"{self.engine.loss_scale:g}; nothing was released, nothing recorded in the ledger, and no update "
+            f"applied ({self.skipped_steps} skipped so far)",
+            OverflowSkipWarning,
+            stacklevel=3,
+        )
+
+    def _check_trainable(self) -> None:
+        """Which parameters train is fixed when the optimizer is wrapped. A parameter frozen
+        afterwards would still receive noise (an update of pure noise); one unfrozen afterwards
+        would get autograd's ordinary, unclipped gradient. Both are refused before anything."""
+        for name, p, was in self._watch:
+            if p.requires_grad != was:
+                self.engine.clear()
+                for _, q, _ in self._watch:
+                    q.grad = None  # an unfrozen parameter's .grad is unclipped: never kept
+                how = "frozen (requires_grad=False)" if was else "unfrozen (requires_grad=True)"
+                raise RuntimeError(
+                    f"parameter {name!r} was {how} after the optimizer was made private: dpcore fixes the set of "
+                    "trainable parameters when it wraps the optimizer. Change requires_grad before make_private, or "
+                    "make a new private optimizer (with the same ledger) after changing it; nothing was released"
+                )
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Clips the records of the last backward pass; at the end of a logical batch adds noise,
@@ -474,6 +625,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_trainable()
+        self._sync_loss_scale()
         releasing = self._logical_complete()
         dl = self.data_loader
         drawn = getattr(dl, "samples_drawn", None)
@@ -492,13 +645,20 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._step_distributed(0, [], failed=e)
                 raise
         else:
-            b, factors = self._clip_factors()
+            try:
+                b, factors = self._clip_factors()
+            except _Overflow:
+                self._tell_scaler(True)
+                self._skip_overflow(releasing, drawn)
+                return loss
+        if self._overflowed:  # an earlier micro-batch of this logical batch overflowed
+            self.engine.clear()
+            self._tell_scaler(True)
+            self._skip_overflow(releasing, drawn)
+            return loss
+        self._tell_scaler(False)
         if not releasing:
-            self._accumulate(b, factors)
-            self._records += b
-            for p in self._params:
-                p.grad = None
-            self.last_step_released = False
+            self._hold(b, factors)
             return loss
         if self._comm is not None:
             self._step_distributed(b, factors)
@@ -533,6 +693,41 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.step()
         self.last_step_released = True
         return loss
+
+    def _hold(self, b: int, factors: List[Optional[torch.Tensor]]) -> None:
+        self._accumulate(b, factors)
+        self._records += b
+        for p in self._params:
+            p.grad = None
+        self.last_step_released = False
+
+    def accumulate(self) -> None:
+        """Clips the records of the last backward pass and adds them to the logical batch being
+        formed, without releasing anything: gradient accumulation driven by the caller (the
+        Hugging Face Trainer's ``gradient_accumulation_steps``), where :meth:`step` is called
+        once per logical batch. Call it after every backward pass but the logical batch's last
+        (calling it after the last too is fine: :meth:`step` then releases what is held).
+        A non-finite record raises here, and the records held so far are dropped."""
+        if self._comm is not None:
+            raise NotImplementedError(
+                "accumulate() under torch.distributed: give the DPDataLoader max_physical_batch_size instead"
+            )
+        self._check_trainable()
+        self._sync_loss_scale()
+        try:
+            b, factors = self._clip_factors()
+        except _Overflow:
+            self._tell_scaler(True)
+            self._skip_overflow(False, None)
+            return
+        except BaseException:
+            self._discard()
+            raise
+        if self._overflowed:
+            self.engine.clear()
+            return
+        self._tell_scaler(False)
+        self._hold(b, factors)
 
     def _noised_plans(self, norm_states: List[Any]) -> List[Tuple[ReleasePlan, Any]]:
         return [
@@ -632,6 +827,4 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise DistributedError(f"step {step}: rank 0 could not record the release in the ledger; nothing applied")
             self.ledger.record_release(self._event())  # the replica
         self._releases += 1
-        for k, gr in enumerate(self._acc):
-            self._params[k].grad = gr
-        self._acc = [None] * len(self._acc)
+        self._set_grads()
