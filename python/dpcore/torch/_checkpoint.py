@@ -105,6 +105,8 @@ def optimizer_state(opt: Any) -> Dict[str, Any]:
         "version": VERSION,
         "releases": int(opt._releases),
         "drawn_at_release": int(opt._drawn_at_release),
+        # steps a GradScaler overflow skipped (nothing released); the scaler has its own state_dict
+        "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
         "logical_batch_complete": not _held(opt),
         # None when a query= gives the noise (the optimizer's noise_multiplier is then NaN)
         "noise_multiplier": None if math.isnan(opt.noise_multiplier) else float(opt.noise_multiplier),
@@ -257,6 +259,7 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
     for g, gs in zip(opt._groups, states):
         g.gs, g.ns = gs, g.query.initial_norm_state()
     opt._releases = releases
+    opt.skipped_steps = int(dp.get("skipped_steps", 0))
     opt._pending = None
     opt._next_noise = None  # drawn for a release index of the run before the load
     if restore_loader:
