@@ -99,3 +99,23 @@ def test_make_private_trains_lora_and_freezes_the_base():
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != p.requires_grad, n
     assert 0 < opt.get_epsilon(1e-5) < float("inf")
+
+
+def test_one_record_batch_after_a_larger_one_counts_that_record_once():
+    """GPT-2's position ids are one row shared by the batch; the engine expands such a row to the
+    batch's record count. That count belongs to one forward pass: a one-record batch after a
+    two-record one must not be expanded to two copies of the record (influence 2C)."""
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    lm_loss(ref, [2]).backward()
+    ledger = dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(), "hint.jsonl"))
+    opt = dpcore.torch.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, noise_multiplier=0.0,
+                                   max_grad_norm=1e9, expected_batch_size=1.0, loss_reduction="sum", ledger=ledger)
+    for batch in ([0, 1], [2]):
+        ledger.record_sample(100, 0.01)
+        opt.zero_grad()
+        lm_loss(model, batch).backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)

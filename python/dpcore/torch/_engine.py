@@ -197,6 +197,10 @@ class PerRecordGradients:
                 "them, or leave them out of the optimizer"
             )
         self._hooks = [p.register_hook(self._bypass(n)) for p, n in zip(self.params, self.param_names)]
+        # The record count a layer learns from its input (batch_hint) belongs to one forward pass:
+        # carried into the next, a one-record batch's shared index row would be expanded to the
+        # previous batch's size, counting that record several times.
+        self._root_hook = model.register_forward_pre_hook(self._new_forward)
         self._used: List[Optional[List[Contribution]]] = []
         self._scale = 1.0
         for r in self.rules:
@@ -220,12 +224,16 @@ class PerRecordGradients:
 
         return hook
 
+    def _new_forward(self, module: nn.Module, args: Any) -> None:
+        self.batch_hint = 0
+
     def remove(self) -> None:
         """Restores the layers' original forward methods."""
         for r in self.rules:
             r.remove()
         for h in self._hooks:
             h.remove()
+        self._root_hook.remove()
         self._hooks = []
         self.rules = []
 
@@ -234,6 +242,7 @@ class PerRecordGradients:
             r.clear()
         self._used = []
         self.passes = set()
+        self.batch_hint = 0
 
     @torch.no_grad()
     def squared_norms(self) -> Tuple[int, List[Optional[torch.Tensor]]]:

@@ -391,6 +391,16 @@ class DPOptimizer(torch.optim.Optimizer):
             raise
         self._acc = list(sums)
 
+    def discard(self) -> None:
+        """Drops the records held for the logical batch being formed (micro-batches added by
+        :meth:`accumulate` or by steps that did not release) and those of the last backward
+        pass, with nothing released or recorded: for a caller whose micro-batch failed
+        part-way through a logical batch. The next release then holds only later records."""
+        self._discard()
+        self._overflowed = False
+        for p in self._params:
+            p.grad = None
+
     def _discard(self) -> None:
         self._acc = [None] * len(self._acc)
         self._records = 0

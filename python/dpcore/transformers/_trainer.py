@@ -1,0 +1,650 @@
+"""DPTrainer: the Hugging Face ``Trainer`` with DP-SGD (Abadi et al. 2016) through dpcore.torch.
+
+What changes against the plain Trainer, and why:
+
+* **Sampling.** The training loader is :class:`~._data.TrainerBatches`: one Poisson sample per
+  optimizer step at q = per_device_train_batch_size × gradient_accumulation_steps / n, split
+  into ``gradient_accumulation_steps`` micro-batches; it is not handed to ``accelerator.prepare``.
+* **Loss.** ``training_step`` computes each record's own loss (:mod:`._loss`) and backpropagates
+  their sum; the Trainer's division by the accumulation steps and by ``num_items_in_batch`` is
+  bypassed, since it would tie a record's gradient to the other records' token counts.
+* **Release.** The optimizer the Trainer creates is wrapped in a :class:`dpcore.torch.DPOptimizer`
+  (``loss_reduction="sum"``): after each micro-batch's backward pass ``accumulate()`` clips its
+  records into the logical batch, and the Trainer's one ``optimizer.step()`` per logical batch
+  adds the noise, records the release in the ledger and applies the update.
+* **Clipping.** ``args.max_grad_norm`` (the Trainer's clipping of the whole batch's gradient) is
+  set to 0: the DP ``max_grad_norm`` is the per-record bound C.
+* **Accounting.** ε at ``delta`` is added to every log; each checkpoint gets a copy of the ledger
+  and ``dp_state.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import shutil
+import warnings
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from .._validate import positive as _positive
+from ..ledger import PrivacyLedger
+from ..torch import DPOptimizer
+from ._data import TAG, BatchTag, DPRun, TrainerBatches
+from ._loss import default_per_record_loss
+
+__all__ = ["DPTrainer", "DPTrainerMixin", "make_private_trainer", "LEDGER_NAME", "STATE_NAME"]
+
+#: Default ledger file name, in ``args.output_dir``; also the name of its copy in a checkpoint.
+LEDGER_NAME = "privacy_ledger.jsonl"
+#: The DP state written into each checkpoint.
+STATE_NAME = "dp_state.json"
+_STATE_FORMAT = "dpcore-trainer-dp-state"
+
+_DEFAULT_TRAINER_CLIP = 1.0  # TrainingArguments.max_grad_norm's default
+# Keys of a padding-free batch (TRL's collator): several examples in one row.
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+class _TrainerDPOptimizer(DPOptimizer):
+    """The DPOptimizer of a DP trainer: checks, before each release, that the logical batch
+    was trained on whole (every micro-batch, in order) and that its sample is in the ledger."""
+
+    _dp_run: DPRun
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        run = self._dp_run
+        run.before_release()
+        try:
+            out = super().step(closure)
+        except BaseException:
+            run.abandon()
+            raise
+        run.after_release()
+        return out
+
+
+def _find_dp(opt: Any) -> Optional[DPOptimizer]:
+    """The DPOptimizer inside accelerate's (or anyone's) ``.optimizer`` wrappers, if any."""
+    seen = 0
+    while opt is not None and seen < 8:
+        if isinstance(opt, DPOptimizer):
+            return opt
+        opt = getattr(opt, "optimizer", None)
+        seen += 1
+    return None
+
+
+def _check_dp_kwargs(
+    noise_multiplier: Any,
+    target_epsilon: Any,
+    target_delta: Any,
+    max_grad_norm: Any,
+    clipping: str,
+    delta: Any,
+    per_record_loss: Any,
+    accountant: str,
+    ledger_ahead: str = "refuse",
+) -> None:
+    """The checks that need neither the model nor the data (run before the Trainer is built)."""
+    if noise_multiplier is not None and target_epsilon is not None:
+        raise ValueError("give noise_multiplier or target_epsilon (with target_delta), not both")
+    if noise_multiplier is None and target_epsilon is None:
+        raise TypeError(
+            "the DP trainer needs noise_multiplier=, or target_epsilon= and target_delta= to calibrate it"
+        )
+    if noise_multiplier is not None:
+        _positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    else:
+        _positive("target_epsilon", target_epsilon)
+        if target_delta is None:
+            raise TypeError("target_epsilon needs target_delta")
+    if target_delta is not None:
+        d = _positive("target_delta", target_delta)
+        if d >= 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {d}")
+    if delta is not None:
+        d = _positive("delta", delta)
+        if d >= 1:
+            raise ValueError(f"delta must be in (0, 1), got {d}")
+    if max_grad_norm is None:
+        raise TypeError("the DP trainer needs max_grad_norm= (the per-record clipping bound C)")
+    if isinstance(max_grad_norm, (list, tuple)):
+        if clipping != "per_layer":
+            raise ValueError("a list of max_grad_norm values needs clipping='per_layer'")
+        for k, c in enumerate(max_grad_norm):
+            _positive(f"max_grad_norm[{k}]", c)
+    else:
+        _positive("max_grad_norm", max_grad_norm)
+    if clipping not in ("flat", "per_layer"):
+        raise ValueError(f"clipping must be 'flat' or 'per_layer', got {clipping!r}")
+    if per_record_loss is not None and not callable(per_record_loss):
+        raise TypeError("per_record_loss must be a callable (model, inputs) -> (B,) tensor")
+    if accountant not in ("pld", "rdp"):
+        raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+    if ledger_ahead not in ("refuse", "keep"):
+        raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
+
+
+class DPTrainerMixin:
+    """DP-SGD for a ``transformers.Trainer`` (or any subclass of it, e.g. TRL's ``SFTTrainer``).
+
+    Put it first among the bases, as :class:`DPTrainer` does, or let :func:`make_private_trainer`
+    do it for an existing trainer. Public attributes once set up: :attr:`ledger`,
+    :attr:`noise_multiplier`, :attr:`max_grad_norm` (C), :attr:`sampling_probability`,
+    :attr:`delta` (the δ of the logged ε), :attr:`dp_optimizer` (after training starts) and
+    :meth:`get_epsilon`."""
+
+    _dp_run: Optional[DPRun] = None
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _dp_setup(
+        self,
+        *,
+        noise_multiplier: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        max_grad_norm: Any = None,
+        ledger: Any = None,
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        delta: Optional[float] = None,
+        per_record_loss: Optional[Callable[[Any, Dict[str, Any]], torch.Tensor]] = None,
+        accountant: str = "pld",
+        ledger_ahead: str = "refuse",
+        seed: Optional[int] = None,
+    ) -> None:
+        _check_dp_kwargs(
+            noise_multiplier, target_epsilon, target_delta, max_grad_norm, clipping, delta, per_record_loss, accountant,
+            ledger_ahead,
+        )
+        args = self.args
+        self._dp_refuse_unsupported(args)
+        ds = self.train_dataset
+        if ds is None:
+            raise ValueError("the DP trainer needs train_dataset (the population the Poisson samples are drawn from)")
+        if isinstance(ds, torch.utils.data.IterableDataset) or not hasattr(ds, "__len__"):
+            raise TypeError(
+                "train_dataset must be a map-style dataset with a length (Poisson sampling draws records by index); "
+                f"got {type(ds).__name__}"
+            )
+        n = len(ds)
+        if n < 1:
+            raise ValueError("train_dataset is empty")
+        bs, ga = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+        if bs * ga > n:
+            raise ValueError(
+                f"per_device_train_batch_size × gradient_accumulation_steps = {bs * ga} exceeds the {n} records of "
+                "train_dataset: the sampling probability would exceed 1"
+            )
+        seeded = seed is not None
+        if seeded:
+            warnings.warn(
+                "DP trainer seed= is for tests only: seeded sampling and noise give no privacy",
+                UserWarning,
+                stacklevel=3,
+            )
+        if ledger is not None and not isinstance(ledger, (PrivacyLedger, str, os.PathLike)):
+            raise TypeError(f"ledger must be a dpcore.PrivacyLedger or a path, got {type(ledger).__name__}")
+        run = DPRun(
+            ledger=None,
+            population_size=n,
+            batch_size=bs,
+            accumulation=ga,
+            poisson=poisson_sampling,
+            seed=seed,
+            data_seed=args.data_seed if getattr(args, "data_seed", None) is not None else args.seed,
+        )
+        # -- σ: given, or calibrated for the planned number of steps
+        steps = int(args.max_steps) if args.max_steps and args.max_steps > 0 else math.ceil(
+            float(args.num_train_epochs) * run.steps_per_epoch
+        )
+        if noise_multiplier is None:
+            from ..accounting import calibrate_noise_multiplier
+
+            q_acc = run.sampling_probability if poisson_sampling else 1.0  # shuffled batches: no amplification
+            noise_multiplier = calibrate_noise_multiplier(
+                float(target_epsilon), float(target_delta), q_acc, max(1, steps), accountant=accountant  # type: ignore[arg-type]
+            )
+        run.noise_multiplier = float(noise_multiplier)
+        run.max_grad_norm = max_grad_norm
+        run.clipping = clipping
+        run.planned_steps = steps
+        run.delta = float(delta if delta is not None else target_delta if target_delta is not None else 1.0 / (10.0 * n))
+        run.accountant = accountant
+        model = getattr(self, "model", None)
+        loss_fn = per_record_loss
+        if loss_fn is None and model is not None:
+            loss_fn = default_per_record_loss(model)
+            if loss_fn is None:
+                raise ValueError(
+                    f"no per-record loss is built in for {type(model).__name__} (causal language models and sequence "
+                    "classifiers are): pass per_record_loss=fn, fn(model, inputs) -> (B,) tensor of each record's loss"
+                )
+        if float(getattr(args, "label_smoothing_factor", 0.0) or 0.0) > 0 and per_record_loss is None:
+            raise ValueError("label_smoothing_factor is not applied by the built-in per-record losses; pass per_record_loss=")
+        run.loss_fn = loss_fn
+        run.ledger_ahead = ledger_ahead
+        # -- the Trainer's own batch clipping and data skipping are off (see the module docstring)
+        old = float(args.max_grad_norm or 0.0)
+        if old not in (0.0, _DEFAULT_TRAINER_CLIP):
+            warnings.warn(
+                f"args.max_grad_norm={old} is ignored: the Trainer's clipping of the batch gradient is off under DP; "
+                "the DP max_grad_norm bounds each record's gradient",
+                UserWarning,
+                stacklevel=3,
+            )
+        # -- the ledger (default: <output_dir>/privacy_ledger.jsonl, continued if it exists), opened
+        # last, once every argument passed its checks
+        if ledger is None:
+            ledger = os.path.join(args.output_dir, LEDGER_NAME)
+        if not isinstance(ledger, PrivacyLedger):
+            path = os.fspath(ledger)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            ledger = PrivacyLedger(path)
+        run.ledger = ledger
+        args.max_grad_norm = 0.0
+        args.ignore_data_skip = True  # a resumed run restarts the sampler at its step, drawing nothing to skip
+        self._dp_run = run
+
+    @staticmethod
+    def _dp_refuse_unsupported(args: Any) -> None:
+        why = None
+        if getattr(args, "fp16", False):
+            why = "fp16=True (its loss scaling acts on the batch gradient, after clipping): use bf16=True"
+        elif getattr(args, "deepspeed", None):
+            why = "DeepSpeed"
+        elif getattr(args, "fsdp", None) and str(getattr(args, "fsdp", "")).strip() not in ("", "[]", "False"):
+            why = "FSDP"
+        elif int(getattr(args, "world_size", 1) or 1) > 1:
+            why = f"distributed training (world_size={args.world_size})"
+        elif int(getattr(args, "n_gpu", 1) or 0) > 1:
+            why = f"torch.nn.DataParallel over {args.n_gpu} GPUs (set CUDA_VISIBLE_DEVICES to one GPU)"
+        elif getattr(args, "auto_find_batch_size", False):
+            why = "auto_find_batch_size=True (it would change the batch size, and so q, during the run)"
+        if why is not None:
+            raise NotImplementedError(f"the DP trainer does not support {why}; it trains in one process on one device")
+
+    # -- public --------------------------------------------------------------------------------
+
+    def _dp(self) -> DPRun:
+        run = self._dp_run
+        if run is None:
+            raise RuntimeError("this trainer has no DP state (use DPTrainer or make_private_trainer)")
+        return run
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """The privacy ledger every sample and release of this trainer is recorded in."""
+        return self._dp().ledger
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ (given, or calibrated to ``target_epsilon`` at construction)."""
+        return self._dp().noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> Any:
+        """The per-record clipping bound C (not ``args.max_grad_norm``, which is off)."""
+        return self._dp().max_grad_norm
+
+    @property
+    def sampling_probability(self) -> float:
+        """q = per_device_train_batch_size × gradient_accumulation_steps / len(train_dataset)."""
+        return self._dp().sampling_probability
+
+    @property
+    def delta(self) -> float:
+        """The δ of the ε that is logged."""
+        return self._dp().delta
+
+    @property
+    def dp_optimizer(self) -> Optional[DPOptimizer]:
+        """The DPOptimizer (once ``train()`` has created the optimizer)."""
+        return _find_dp(getattr(self, "optimizer", None))
+
+    def get_epsilon(self, delta: Optional[float] = None, **kw: Any) -> float:
+        """ε of everything recorded in the ledger, at ``delta`` (default :attr:`delta`)."""
+        run = self._dp()
+        kw.setdefault("accountant", run.accountant)
+        return run.ledger.get_epsilon(run.delta if delta is None else delta, **kw)
+
+    def _dp_epsilon(self) -> float:
+        """ε at :attr:`delta` for the logs, computed once per release count. The ledger's
+        warnings (shuffled batches, test seeds) are shown once per kind, not at every log."""
+        run = self._dp()
+        key = (run.ledger.num_releases, len(run.ledger.samples))
+        if run.eps_cache[0] != key:
+            eps = 0.0
+            if key[0]:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    eps = float(self.get_epsilon())
+                for w in caught:
+                    kind = (w.category, re.sub(r"\d+", "#", str(w.message)))
+                    if kind not in run.warned:
+                        run.warned.add(kind)
+                        warnings.warn(w.message, stacklevel=2)
+            run.eps_cache = (key, eps)
+        return run.eps_cache[1]
+
+    # -- Trainer overrides -----------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        run = self._dp()
+        ds = self.train_dataset
+        if ds is None or len(ds) != run.n:
+            raise ValueError(
+                f"train_dataset changed after the DP trainer was set up ({run.n} records then, "
+                f"{None if ds is None else len(ds)} now): build a new trainer"
+            )
+        collator = self.data_collator
+        try:
+            import datasets  # noqa: F401
+
+            is_hf = isinstance(ds, datasets.Dataset)
+        except ImportError:
+            is_hf = False
+        if is_hf:
+            ds = self._remove_unused_columns(ds, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        return TrainerBatches(ds, collator, run, position=lambda: self.state.global_step)
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        run = self._dp()
+        if _find_dp(getattr(self, "optimizer", None)) is not None:
+            return self.optimizer
+        opt = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+        if _find_dp(opt) is not None:
+            return opt
+        model = self.model
+        if run.loss_fn is None:
+            run.loss_fn = default_per_record_loss(model)
+            if run.loss_fn is None:
+                raise ValueError(f"no per-record loss is built in for {type(model).__name__}: pass per_record_loss=")
+        dp = _TrainerDPOptimizer(
+            opt,
+            model=model,
+            noise_multiplier=run.noise_multiplier,
+            max_grad_norm=run.max_grad_norm,
+            expected_batch_size=run.expected_batch_size,
+            ledger=run.ledger,
+            clipping=run.clipping,
+            loss_reduction="sum",
+            data_loader=run,
+            seed=run.seed,
+        )
+        dp._dp_run = run
+        dp.ledger_ahead = run.ledger_ahead  # what load_state_dict does with releases after the checkpoint
+        self.optimizer = dp
+        return dp
+
+    def training_step(self, model: torch.nn.Module, inputs: Dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One micro-batch: each record's loss, the backward pass of their sum, and the records
+        clipped into the logical batch (``DPOptimizer.accumulate``). Returns this micro-batch's
+        share of the logical batch's mean loss per record (for logging)."""
+        run = self._dp()
+        tag: BatchTag = run.begin(inputs.pop(TAG, None))
+        device = self.args.device
+        dp = self.dp_optimizer
+        if dp is None:
+            raise RuntimeError("the DP trainer's optimizer is not a DPOptimizer (was create_optimizer overridden?)")
+        model.train()
+        if tag.records == 0:
+            # An empty micro-batch has no record: nothing to compute. The logical batch is still
+            # released (pure noise if every micro-batch is empty): skipping it would show that
+            # no record was sampled.
+            return torch.zeros((), device=device)
+        if any(k in inputs for k in _PACKED_KEYS):
+            raise ValueError(
+                "this batch is padding-free (its examples concatenated into one row): a record would not be one "
+                "example; use a padding collator"
+            )
+        try:
+            inputs = self._prepare_inputs(inputs)
+            with self.compute_loss_context_manager():
+                losses = run.loss_fn(model, inputs)
+            if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != tag.records:
+                got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                raise ValueError(
+                    f"per_record_loss must return one loss per record, a tensor of shape ({tag.records},); got {got}"
+                )
+            total = losses.sum()
+            total.backward()
+            dp.accumulate()
+        except BaseException:
+            # Nothing of this logical batch may reach a later release: drop the records held from
+            # its earlier micro-batches too (its sample was never written: it had no release).
+            run.abandon()
+            dp.zero_grad()
+            dp.discard()
+            raise
+        return (total.detach() / tag.size).to(device)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        # The Trainer would report the norm of the .grad left by the backward pass: under DP
+        # those are empty (the records are held by the DPOptimizer until the release).
+        return None
+
+    def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self._dp_run is not None and "epsilon" not in logs:
+            logs["epsilon"] = self._dp_epsilon()
+        return super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
+        if self._dp_run is None or not self.args.should_save:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if os.path.isdir(folder):
+            self._dp_save(folder)
+
+    def _dp_save(self, folder: str) -> None:
+        """Writes the ledger's copy and ``dp_state.json`` into a checkpoint folder."""
+        run = self._dp()
+        led = run.ledger
+        tmp = os.path.join(folder, LEDGER_NAME + ".tmp")
+        shutil.copyfile(led.path, tmp)  # every entry is fsynced when written
+        os.replace(tmp, os.path.join(folder, LEDGER_NAME))
+        state = {
+            "format": _STATE_FORMAT,
+            "version": 1,
+            "releases": led.num_releases,
+            "samples": len(led.samples),
+            "samples_drawn": run.samples_drawn,
+            "global_step": int(self.state.global_step),
+            "epsilon": self._dp_epsilon(),
+            "delta": run.delta,
+            "accountant": run.accountant,
+            "noise_multiplier": run.noise_multiplier,
+            "max_grad_norm": run.max_grad_norm,
+            "clipping": run.clipping,
+            "sampling_probability": run.sampling_probability,
+            "population_size": run.n,
+            "policy": run.policy,
+            "expected_batch_size": run.expected_batch_size,
+            "gradient_accumulation_steps": run.accumulation,
+            "steps_per_epoch": run.steps_per_epoch,
+            "seeded": run.seed is not None,
+            "ledger_path": os.path.abspath(led.path),
+        }
+        with open(os.path.join(folder, STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1)
+            f.write("\n")
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._dp()
+        ckpt = resume_from_checkpoint
+        if isinstance(ckpt, bool):
+            if ckpt:
+                ckpt = get_last_checkpoint(self.args.output_dir)
+                if ckpt is None:
+                    raise ValueError(f"no checkpoint found in output_dir ({self.args.output_dir})")
+            else:
+                ckpt = None
+        if ckpt is not None:
+            self._dp_resume(os.fspath(ckpt))
+        return super().train(ckpt, *args, **kwargs)  # type: ignore[misc]
+
+    def _dp_resume(self, ckpt: str) -> None:
+        """Checks that the live ledger is this run's (it holds at least the releases the
+        checkpoint was saved after) and restores the sampler's counters."""
+        run = self._dp()
+        path = os.path.join(ckpt, STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{ckpt} has no {STATE_NAME}: it was not written by a DP trainer. To start DP training from its "
+                "weights, load the model from it instead of resuming"
+            )
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"{path}: not a DP trainer state file")
+        saved, live = int(state["releases"]), run.ledger.num_releases
+        if live < saved:
+            raise ValueError(
+                f"the ledger {run.ledger.path} holds {live} release(s) but {ckpt} was saved after {saved}: it is not "
+                f"this run's ledger. The checkpoint holds a copy ({os.path.join(ckpt, LEDGER_NAME)}): copy it to "
+                f"{run.ledger.path} to continue from it"
+            )
+        for key, mine in (
+            ("noise_multiplier", run.noise_multiplier),
+            ("sampling_probability", run.sampling_probability),
+            ("population_size", run.n),
+        ):
+            if key in state and not math.isclose(float(state[key]), float(mine), rel_tol=1e-9):
+                warnings.warn(
+                    f"resuming from {ckpt} with {key}={mine}, saved with {state[key]}: the ledger records what each "
+                    "step used, but a calibrated target ε no longer holds",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        run.load_state_dict(state)
+        run.abandon()
+
+
+class DPTrainer(DPTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with DP-SGD: Poisson-sampled logical batches, per-record clipping
+    and Gaussian noise through :class:`dpcore.torch.DPOptimizer`, every release in a privacy ledger.
+
+    ``DPTrainer(model=..., args=TrainingArguments(...), train_dataset=..., data_collator=...,
+    noise_multiplier=σ | target_epsilon=ε with target_delta=δ, max_grad_norm=C, ...)``; every other
+    keyword goes to ``transformers.Trainer``.
+
+    * ``noise_multiplier`` σ, or ``target_epsilon``/``target_delta``: σ calibrated (PLD accountant
+      by default, ``accountant="rdp"`` too) so that the planned steps (``args.max_steps`` if > 0,
+      else ``num_train_epochs × round(1/q)``) are (ε, δ)-DP. Exactly one of the two.
+    * ``max_grad_norm`` C: each record's gradient is clipped to norm C (``clipping="flat"``; or
+      ``"per_layer"``, C/√m per parameter tensor, or a list of bounds). ``args.max_grad_norm``, the
+      Trainer's batch clipping, is switched off.
+    * ``ledger``: a :class:`dpcore.PrivacyLedger` or a path; default
+      ``<args.output_dir>/privacy_ledger.jsonl`` (continued if it exists).
+    * ``poisson_sampling``: True (q = per_device_train_batch_size × gradient_accumulation_steps /
+      n); False: shuffled fixed batches, recorded as ``shuffle`` (accounted without amplification).
+    * ``delta``: the δ of the ε added to the logs; default ``target_delta``, else 1/(10·n).
+    * ``per_record_loss``: ``fn(model, inputs) -> (B,)`` tensor, each record's loss; default by
+      the model's class: :func:`causal_lm_per_record_loss` or
+      :func:`sequence_classification_per_record_loss`.
+    * ``seed``: tests only (sampling and noise become predictable: no privacy).
+
+    Refused at construction: fp16 (use bf16), DeepSpeed, FSDP, more than one process or GPU,
+    ``auto_find_batch_size``."""
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        *trainer_args: Any,
+        noise_multiplier: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        max_grad_norm: Any = None,
+        ledger: Any = None,
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        delta: Optional[float] = None,
+        per_record_loss: Optional[Callable[[Any, Dict[str, Any]], torch.Tensor]] = None,
+        accountant: str = "pld",
+        ledger_ahead: str = "refuse",
+        seed: Optional[int] = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        _check_dp_kwargs(
+            noise_multiplier, target_epsilon, target_delta, max_grad_norm, clipping, delta, per_record_loss, accountant,
+            ledger_ahead,
+        )
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._dp_setup(
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            max_grad_norm=max_grad_norm,
+            ledger=ledger,
+            poisson_sampling=poisson_sampling,
+            clipping=clipping,
+            delta=delta,
+            per_record_loss=per_record_loss,
+            accountant=accountant,
+            ledger_ahead=ledger_ahead,
+            seed=seed,
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _private_class(base: type) -> type:
+    return type(f"DP{base.__name__}", (DPTrainerMixin, base), {"__module__": __name__, "__doc__": DPTrainerMixin.__doc__})
+
+
+def make_private_trainer(trainer: Any, **dp_kwargs: Any) -> Any:
+    """Turns an existing, not yet trained ``transformers.Trainer`` (or subclass instance, such
+    as TRL's ``SFTTrainer``) into a DP one, in place, and returns it.
+
+    Its class becomes a subclass of (:class:`DPTrainerMixin`, its class); ``dp_kwargs`` are
+    :class:`DPTrainer`'s (``noise_multiplier`` or ``target_epsilon``/``target_delta``,
+    ``max_grad_norm``, ``ledger``, ...). Training uses the per-record loss, not the trainer's
+    ``compute_loss`` (which evaluation still uses). Packed or padding-free batches (several
+    examples in one row) are refused: a record must be one example."""
+    if not isinstance(trainer, transformers.Trainer):
+        raise TypeError(f"make_private_trainer needs a transformers.Trainer, got {type(trainer).__name__}")
+    if isinstance(trainer, DPTrainerMixin):
+        raise ValueError("this trainer is already private")
+    state = getattr(trainer, "state", None)
+    prepared = type(getattr(trainer, "optimizer", None)).__name__ == "AcceleratedOptimizer"
+    if prepared or (state is not None and getattr(state, "global_step", 0) > 0):
+        raise ValueError("make_private_trainer needs a trainer that has not trained yet")
+    args = trainer.args
+    if getattr(args, "packing", False):
+        raise ValueError(
+            "packing=True puts several examples into one sequence: a record would no longer be one example; "
+            "set packing=False"
+        )
+    if getattr(args, "padding_free", False):
+        raise ValueError("padding_free=True concatenates a batch's examples into one row; set padding_free=False")
+    _check_dp_kwargs(
+        dp_kwargs.get("noise_multiplier"),
+        dp_kwargs.get("target_epsilon"),
+        dp_kwargs.get("target_delta"),
+        dp_kwargs.get("max_grad_norm"),
+        dp_kwargs.get("clipping", "flat"),
+        dp_kwargs.get("delta"),
+        dp_kwargs.get("per_record_loss"),
+        dp_kwargs.get("accountant", "pld"),
+        dp_kwargs.get("ledger_ahead", "refuse"),
+    )
+    base = type(trainer)
+    trainer.__class__ = _private_class(base)
+    try:
+        trainer._dp_setup(**dp_kwargs)
+    except BaseException:
+        trainer.__class__ = base
+        raise
+    return trainer
