@@ -1,6 +1,6 @@
 """DP-SGD step time and peak memory, side by side in one run: dpcore.torch vs plain torch vs Opacus.
 
-Three models, each in four configurations (SGD, noise multiplier 1.0, max grad norm 1.0):
+Four models, each in four configurations (SGD, noise multiplier 1.0, max grad norm 1.0):
 
 * transformer: Embedding(8000, 256) -> 2 x TransformerEncoderLayer(256, 4 heads, ff 1024, no
   dropout) -> mean over positions -> Linear(256, 2); batch 32, length 128, random token ids.
@@ -35,9 +35,29 @@ error in the table. Peak RSS of the DP configurations grows with the number of s
 batches vary in size), and slower configurations take fewer steps in their budget: compare
 memory with that in mind.
 
-``python benches/bench_torch.py [--models cnn lstm] [--configs ...] [--steps 40] [--budget 12]
+bfloat16 (``--bf16``, or by name in ``--configs``): ``non-private-bf16`` (the anchor of these
+rows), ``dpcore-bf16``, ``opacus-hooks-bf16`` and ``opacus-ghost-bf16`` are the four
+configurations above with the forward pass under ``torch.autocast(device_type,
+dtype=torch.bfloat16)`` (parameters, gradients and optimizer stay float32; the loss is computed
+in float32 from the float32-cast output; the backward pass runs outside autocast, as usual).
+They run for the transformer and the CNN only (other models skip them), in the same rounds as the
+float32 configurations, and get a table of their own under each model's: median ms, ratio to
+non-private-bf16, peak memory, and dpcore-bf16 against the faster Opacus bf16 mode (with the
+float32 targets beside them, for reference). They are off by default, to keep the default run
+near 7 minutes. On CPU, bfloat16 matrix products are fast only where the processor has
+bfloat16 instructions (AVX512-BF16, AMX); elsewhere torch takes a fallback path (on the 2-core
+AVX2 VM a bf16 matrix product takes 40-90x the float32 one, and a bf16 transformer step
+15-30 s against 0.4-1.7 s in float32), the run prints a note saying so, and the bf16 rows then
+time that fallback more than anything DP: compare them with each other, not with the float32
+rows, and prefer a GPU (``--device cuda``) or a CPU with bf16 instructions for them.
+
+``python benches/bench_torch.py [--models cnn lstm] [--configs ...] [--bf16] [--steps 40] [--budget 12]
 [--rounds 2] [--device auto|cpu|cuda] [--quick] [--json out.json]``. The default run takes about
-7 minutes on 2 CPU cores (``--quick``: about 1.5).
+7 minutes on 2 CPU cores (``--quick``: about 1.5). The bf16 rows alone,
+``python benches/bench_torch.py --models transformer cnn --configs non-private-bf16 dpcore-bf16
+opacus-hooks-bf16 opacus-ghost-bf16``, take about 15 minutes on the 2-core AVX2 VM (``--quick``:
+about 6), where a bf16 child gets only 2 or 3 timed steps in its budget (1 with ``--quick``).
+``--bf16`` adds them to the default run (about 22 minutes on that VM).
 """
 
 from __future__ import annotations
@@ -61,8 +81,13 @@ MODELS = ("transformer", "cnn", "lstm", "mlp")
 CONFIGS = ("non-private", "dpcore", "opacus-hooks", "opacus-ghost")
 # Not run by default: the floating-point-safe noise of issue 17 (--configs ... dpcore-discrete).
 EXTRA_CONFIGS = ("dpcore-discrete",)
+# The forward pass under torch.autocast(dtype=torch.bfloat16): --bf16, for BF16_MODELS only.
+BF16 = "-bf16"
+BF16_CONFIGS = tuple(c + BF16 for c in CONFIGS)
+BF16_MODELS = ("transformer", "cnn")
 LABELS = {"non-private": "non-private torch", "dpcore": "dpcore.torch", "opacus-hooks": "Opacus hooks",
           "opacus-ghost": "Opacus ghost", "dpcore-discrete": "dpcore discrete"}
+LABELS.update({c + BF16: LABELS[c] + " bf16" for c in CONFIGS})
 DESCRIPTION = {
     "transformer": "Embedding(8000,256) + 2 x TransformerEncoderLayer(256, 4 heads, ff 1024) + Linear(256,2), "
                    "batch 32, length 128",
@@ -156,6 +181,9 @@ def _forever(loader: Any):
 
 def _setup(config: str, model: Any, loader: Any, device: Any) -> Tuple[Callable[[Any], None], Any]:
     """(step(batch), the loader to draw batches from) for one configuration."""
+    bf16 = config.endswith(BF16)
+    if bf16:
+        config = config[: -len(BF16)]
     crit: Any = nn.CrossEntropyLoss()
     if config == "non-private":
         model = model.to(device)
@@ -191,7 +219,12 @@ def _setup(config: str, model: Any, loader: Any, device: Any) -> Tuple[Callable[
         x, y = batch
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad()
-        loss = crit(model(x), y)  # Opacus ghost: its criterion wrapper, whose backward() clips
+        if bf16:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = model(x)
+            loss = crit(out.float(), y)  # the loss in float32, outside autocast
+        else:
+            loss = crit(model(x), y)  # Opacus ghost: its criterion wrapper, whose backward() clips
         loss.backward()
         opt.step()
 
@@ -296,52 +329,111 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
-def report(model_name: str, res: Dict[str, Dict[str, Any]], device: str) -> None:
-    any_ok = next((r for r in res.values() if "error" not in r), {})
-    params = any_ok.get("params")
-    print(f"\n{model_name}: {DESCRIPTION[model_name]}" + (f", {params / 1e6:.2f}M parameters" if params else ""))
+def _table(model_name: str, res: Dict[str, Dict[str, Any]], device: str, suffix: str = "") -> None:
+    """One group's table: the configurations whose names end in `suffix` ("" for float32, BF16),
+    with ratios to that group's non-private anchor and dpcore against that group's faster Opacus mode."""
     mem = "peak GPU MiB" if device.startswith("cuda") else "peak RSS MiB"
-    print(f"  {'configuration':18s} {'median ms':>10s} {'vs non-private':>15s} {'cpu ms':>8s} {'(ratio)':>8s} "
+    print(f"  {'configuration':23s} {'median ms':>10s} {'vs non-private':>15s} {'cpu ms':>8s} {'(ratio)':>8s} "
           f"{'steps':>6s} {mem:>13s}  target")
-    base = res.get("non-private")
+    base = res.get("non-private" + suffix)
     base_ok = base is not None and "error" not in base
     for cfg, r in res.items():
         if "error" in r:
-            print(f"  {LABELS[cfg]:18s} failed: {r['error'][:200]}")
+            print(f"  {LABELS[cfg]:23s} failed: {r['error'][:200]}")
             continue
         ratio = f"{r['ms'] / base['ms']:.2f}x" if base_ok else "-"
         cpu_ratio = f"{r['cpu_ms'] / base['cpu_ms']:.2f}x" if base_ok else "-"
         target = ""
-        if cfg == "dpcore" and base_ok:
+        if cfg == "dpcore" + suffix and base_ok:
             lim = TARGET_VS_PLAIN[model_name]
-            target = f"<= {lim}x non-private: {_mark(r['ms'] / base['ms'] <= lim)}"
-        print(f"  {LABELS[cfg]:18s} {r['ms']:10.1f} {ratio:>15s} {r['cpu_ms']:8.1f} {cpu_ratio:>8s} {r['steps']:6d} "
+            target = (f"<= {lim}x non-private{suffix}: {_mark(r['ms'] / base['ms'] <= lim)}"
+                      + (" (the float32 target)" if suffix else ""))
+        print(f"  {LABELS[cfg]:23s} {r['ms']:10.1f} {ratio:>15s} {r['cpu_ms']:8.1f} {cpu_ratio:>8s} {r['steps']:6d} "
               f"{r['peak_mib']:13.0f}  {target}")
-    dp = res.get("dpcore")
-    disc = res.get("dpcore-discrete")
+    dp = res.get("dpcore" + suffix)
+    disc = res.get("dpcore-discrete" + suffix)
     if dp is not None and disc is not None and "error" not in dp and "error" not in disc:
         print(f"  discrete Gaussian / Gaussian step: {disc['ms'] / dp['ms']:.2f}x")
-    ops = [(c, res[c]) for c in ("opacus-hooks", "opacus-ghost") if c in res and "error" not in res[c]]
+    ops = [(c, res[c]) for c in ("opacus-hooks" + suffix, "opacus-ghost" + suffix)
+           if c in res and "error" not in res[c]]
     if dp is not None and "error" not in dp and ops:
         c, fast = min(ops, key=lambda cr: cr[1]["ms"])
         ratio = dp["ms"] / fast["ms"]
-        line = (f"  dpcore vs the faster Opacus mode ({LABELS[c]}): {ratio:.2f}x its time ({1 / ratio:.1f}x faster); "
-                f"target faster: {_mark(ratio < 1)}")
+        line = (f"  {LABELS['dpcore' + suffix]} vs the faster Opacus mode ({LABELS[c]}): {ratio:.2f}x its time "
+                f"({1 / ratio:.1f}x faster); target faster: {_mark(ratio < 1)}")
         if model_name in TARGET_VS_OPACUS:
             lim = TARGET_VS_OPACUS[model_name]
             line += f"; target >= {lim:.0f}x faster than DPLSTM: {_mark(1 / ratio >= lim)}"
         print(line)
     elif dp is not None and ops:
-        print("  dpcore vs Opacus: - (dpcore failed)")
+        print(f"  dpcore vs Opacus: - ({LABELS['dpcore' + suffix]} failed)")
+    elif dp is not None and "error" not in dp and any(c.startswith("opacus") for c in res):
+        print(f"  dpcore vs Opacus: - (every Opacus{' bf16' if suffix else ''} mode failed)")
     for n in (dp or {}).get("notes", []):
         print(f"  dpcore note: {n[:200]}")
+
+
+def report(model_name: str, res: Dict[str, Dict[str, Any]], device: str) -> None:
+    any_ok = next((r for r in res.values() if "error" not in r), {})
+    params = any_ok.get("params")
+    print(f"\n{model_name}: {DESCRIPTION[model_name]}" + (f", {params / 1e6:.2f}M parameters" if params else ""))
+    fp32 = {c: r for c, r in res.items() if not c.endswith(BF16)}
+    bf16 = {c: r for c, r in res.items() if c.endswith(BF16)}
+    if fp32:
+        _table(model_name, fp32, device)
+    if bf16:
+        print(f"  {model_name}, forward pass under torch.autocast(bfloat16); ratios against non-private bf16:")
+        _table(model_name, bf16, device, BF16)
+        a, b = res.get("non-private"), res.get("non-private" + BF16)
+        if a is not None and b is not None and "error" not in a and "error" not in b:
+            print(f"  non-private bf16 / float32 step: {b['ms'] / a['ms']:.2f}x")
+        a, b = res.get("dpcore"), res.get("dpcore" + BF16)
+        if a is not None and b is not None and "error" not in a and "error" not in b:
+            print(f"  dpcore bf16 / float32 step: {b['ms'] / a['ms']:.2f}x")
+
+
+def _bf16_cpu_note() -> str:
+    """A warning when the CPU lacks bfloat16 instructions (its bf16 matrix products then take a slow
+    fallback path, which the bf16 rows would mostly measure), with the measured bf16/float32 ratio
+    of a small matrix product; "" when it has them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((l for l in f if l.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return ""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    ts = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a second one stalls whenever another process holds a core
+    try:
+        for dt in (torch.float32, torch.bfloat16):
+            x, y = a.to(dt), b.to(dt)
+            x @ y
+            ts[dt] = min(_timed(lambda: x @ y) for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
+    return (f"note: this CPU has no bfloat16 instructions (no avx512_bf16/amx_bf16 flag): a 256x256 bfloat16 matrix "
+            f"product takes {ts[torch.bfloat16] / ts[torch.float32]:.0f}x the float32 one here (one thread), so the "
+            f"bf16 rows mostly time torch's bfloat16 fallback kernels")
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS + BF16_CONFIGS, default=None,
+                    help=f"default: {' '.join(CONFIGS)} (and with --bf16 {' '.join(BF16_CONFIGS)}); the bf16 "
+                         f"configurations run on {' and '.join(BF16_MODELS)} only")
+    ap.add_argument("--bf16", action="store_true",
+                    help=f"add the bf16 configurations ({', '.join(BF16_CONFIGS)}) for {' and '.join(BF16_MODELS)}")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     ap.add_argument("--steps", type=int, default=None, help="at most this many timed steps per configuration and round")
     ap.add_argument("--min-steps", type=int, default=None, help="at least this many, whatever the budget")
@@ -359,6 +451,10 @@ def main() -> None:
             setattr(args, k, v)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.configs is None:
+        args.configs = list(CONFIGS)
+    if args.bf16:
+        args.configs += [c for c in BF16_CONFIGS if c not in args.configs]
     if args.one:
         print(RESULT + json.dumps(run_one(args.one[0], args.one[1], args)), flush=True)
         return
@@ -367,19 +463,28 @@ def main() -> None:
           f"{args.warmup} warm-up + up to {args.steps} timed steps in {args.budget:.0f} s (at least {args.min_steps}); "
           f"{args.rounds} round(s), order reversed every other round; own process each; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    bf16_runs = any(c.endswith(BF16) for c in args.configs) and any(m in BF16_MODELS for m in args.models)
+    if args.device == "cpu" and bf16_runs:
+        note = _bf16_cpu_note()
+        if note:
+            print(note)
     t0 = time.perf_counter()
     all_res: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for m in args.models:
-        runs: Dict[str, List[Dict[str, Any]]] = {c: [] for c in args.configs}
+        configs = [c for c in args.configs if m in BF16_MODELS or not c.endswith(BF16)]
+        if not configs:
+            print(f"  {m}: skipped (the bf16 configurations run on {' and '.join(BF16_MODELS)} only)", file=sys.stderr)
+            continue
+        runs: Dict[str, List[Dict[str, Any]]] = {c: [] for c in configs}
         for rnd in range(args.rounds):
-            order = args.configs if rnd % 2 == 0 else args.configs[::-1]
+            order = configs if rnd % 2 == 0 else configs[::-1]
             for c in order:
                 r = _child(m, c, args)
                 runs[c].append(r)
                 status = r.get("error") or f"{r['ms']:.1f} ms median over {r['steps']} steps"
                 print(f"  [{time.perf_counter() - t0:6.0f} s] {m} {c} round {rnd + 1}: {status}", file=sys.stderr,
                       flush=True)
-        all_res[m] = {c: _merge(runs[c]) for c in args.configs}
+        all_res[m] = {c: _merge(runs[c]) for c in configs}
         report(m, all_res[m], args.device)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.2f} (other processes skew the "
           f"timings)")
