@@ -312,8 +312,10 @@ class _TransposedLinearFn(torch.autograd.Function):
         x, w, b = _amp_cast(x, weight.detach(), None if bias is None else bias.detach())
         ctx.save_for_backward(x, w)
         ctx.sink = sink
-        y = x.matmul(w)
-        return y if b is None else y + b
+        if b is None:
+            return x.matmul(w)
+        # one fused product with the bias, as Conv1D's own forward (no separate pass for + b)
+        return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(x.shape[:-1] + (w.shape[-1],))
 
     @staticmethod
     @once_differentiable
