@@ -45,3 +45,36 @@ def alternating_blocks(fns, blocks, time_block):
         for k, fn in fns.items():
             ts[k] += time_block(fn)
     return ts
+
+
+def child_result(cmd, timeout, marker, ident):
+    """Runs one bench child process (``cmd``) and returns the JSON it printed after ``marker``,
+    or ``ident`` with an ``error``: a timeout, or the child's last line of stderr."""
+    import json
+    import subprocess
+
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**ident, "error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(marker):
+            return json.loads(line[len(marker):])
+    err = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    return {**ident, "error": f"child exited with {p.returncode}: {err[-1] if err else 'no output'}"}
+
+
+def merge_rounds(runs):
+    """One configuration's rounds: step times pooled, the largest peak; the first error if any."""
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        return bad[0]
+    r = dict(runs[0])
+    r["times"] = [t for x in runs for t in x["times"]]
+    r["ms"] = statistics.median(r["times"])
+    r["steps"] = len(r["times"])
+    r["cpu_times"] = [t for x in runs for t in x["cpu_times"]]
+    r["cpu_ms"] = statistics.median(r["cpu_times"])
+    r["peak_mib"] = max(x["peak_mib"] for x in runs)
+    r["notes"] = sorted({n for x in runs for n in x.get("notes", [])})
+    return r

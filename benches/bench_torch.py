@@ -67,12 +67,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Tuple
+
+from _timing import child_result, merge_rounds
 
 import torch
 from torch import nn
@@ -297,32 +298,10 @@ def _child(model_name: str, config: str, args: argparse.Namespace) -> Dict[str, 
            "--budget", str(args.budget), "--threads", str(args.threads)]
     # generous: warm-up and the minimum steps may overrun the budget (Opacus hooks on the LSTM)
     timeout = 120 + 4 * args.budget
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"model": model_name, "config": config, "error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    err = [l for l in p.stderr.strip().splitlines() if l.strip()]
-    return {"model": model_name, "config": config,
-            "error": f"child exited with {p.returncode}: {err[-1] if err else 'no output'}"}
+    return child_result(cmd, timeout, RESULT, {"model": model_name, "config": config})
 
 
-def _merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One configuration's rounds: step times pooled, the largest peak; the first error if any."""
-    bad = [r for r in runs if "error" in r]
-    if bad:
-        return bad[0]
-    r = dict(runs[0])
-    r["times"] = [t for x in runs for t in x["times"]]
-    r["ms"] = statistics.median(r["times"])
-    r["steps"] = len(r["times"])
-    r["cpu_times"] = [t for x in runs for t in x["cpu_times"]]
-    r["cpu_ms"] = statistics.median(r["cpu_times"])
-    r["peak_mib"] = max(x["peak_mib"] for x in runs)
-    r["notes"] = sorted({n for x in runs for n in x.get("notes", [])})
-    return r
+_merge = merge_rounds
 
 
 def _mark(ok: bool) -> str:

@@ -54,13 +54,14 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import warnings
 from typing import Any, Dict, List
+
+from _timing import child_result, merge_rounds
 
 MODES = ("lora", "full")
 CONFIGS = ("trainer", "dptrainer")
@@ -190,32 +191,10 @@ def _child(mode: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", mode, config, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     timeout = 300 + 10 * (args.steps + args.warmup)
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"mode": mode, "config": config, "error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    err = [l for l in p.stderr.strip().splitlines() if l.strip()]
-    return {"mode": mode, "config": config,
-            "error": f"child exited with {p.returncode}: {err[-1] if err else 'no output'}"}
+    return child_result(cmd, timeout, RESULT, {"mode": mode, "config": config})
 
 
-def _merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One configuration's rounds: step times pooled, the largest peak; the first error if any."""
-    bad = [r for r in runs if "error" in r]
-    if bad:
-        return bad[0]
-    r = dict(runs[0])
-    r["times"] = [t for x in runs for t in x["times"]]
-    r["ms"] = statistics.median(r["times"])
-    r["steps"] = len(r["times"])
-    r["cpu_times"] = [t for x in runs for t in x["cpu_times"]]
-    r["cpu_ms"] = statistics.median(r["cpu_times"])
-    r["peak_mib"] = max(x["peak_mib"] for x in runs)
-    r["notes"] = sorted({n for x in runs for n in x.get("notes", [])})
-    return r
+_merge = merge_rounds
 
 
 def report(mode: str, res: Dict[str, Dict[str, Any]], device: str) -> None:
