@@ -458,3 +458,34 @@ def test_bad_arguments(tmp_path):
         tr.train()
     assert tr.ledger.num_releases == 0 and len(calls) == 2
     assert all(a is None for a in tr.dp_optimizer._acc)  # the first micro-batch's records were dropped
+
+
+def test_fp16_grad_scaler_overflow_skips_record_nothing(tmp_path):
+    """fp16 with accelerate's GradScaler (a CUDA feature; here a CPU GradScaler put where
+    accelerate keeps it): the loss is scaled, the clip sees unscaled gradients, and a step whose
+    scaled gradients overflowed releases and records nothing while the scaler backs off. On CPU
+    accelerate runs fp16=True without autocast, so the loss here runs the forward under float16
+    autocast itself, as CUDA's fp16 would."""
+    from dpcore.torch import OverflowSkipWarning
+
+    def fp16_loss(m, inputs):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return causal_lm_per_record_loss(m, inputs)
+
+    model = lora(gpt2())
+    before = snapshot(model)
+    tr = dp_trainer(tmp_path, model, dp=dict(per_record_loss=fp16_loss), fp16=True, max_steps=12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18)  # float16 overflows at 65504
+    tr.accelerator.scaler = scaler
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", OverflowSkipWarning)
+        tr.train()
+    dp = tr.dp_optimizer
+    assert dp.grad_scaler is scaler
+    skipped = dp.skipped_steps
+    assert skipped == len([w for w in caught if w.category is OverflowSkipWarning])
+    assert 0 < skipped < 12
+    assert scaler.get_scale() == 2.0 ** (18 - skipped)
+    assert tr.ledger.num_releases == len(tr.ledger.samples) == 12 - skipped  # skipped steps left no entry
+    one_release_per_sample(tr.ledger)
+    assert any(not torch.equal(p, before[k]) for k, p in model.named_parameters() if "lora_" in k)

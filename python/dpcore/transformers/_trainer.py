@@ -258,9 +258,7 @@ class DPTrainerMixin:
     @staticmethod
     def _dp_refuse_unsupported(args: Any) -> None:
         why = None
-        if getattr(args, "fp16", False):
-            why = "fp16=True (its loss scaling acts on the batch gradient, after clipping): use bf16=True"
-        elif getattr(args, "deepspeed", None):
+        if getattr(args, "deepspeed", None):
             why = "DeepSpeed"
         elif getattr(args, "fsdp", None) and str(getattr(args, "fsdp", "")).strip() not in ("", "[]", "False"):
             why = "FSDP"
@@ -381,6 +379,10 @@ class DPTrainerMixin:
             clipping=run.clipping,
             loss_reduction="sum",
             data_loader=run,
+            # fp16 on CUDA: accelerate's GradScaler. The DP optimizer divides the per-record
+            # gradients by its scale before clipping and skips (records nothing for) a step
+            # that overflowed; training_step scales the loss with it.
+            grad_scaler=getattr(getattr(self, "accelerator", None), "scaler", None),
             seed=run.seed,
         )
         dp._dp_run = run
@@ -419,7 +421,8 @@ class DPTrainerMixin:
                     f"per_record_loss must return one loss per record, a tensor of shape ({tag.records},); got {got}"
                 )
             total = losses.sum()
-            total.backward()
+            scaler = dp.grad_scaler
+            (total if scaler is None else scaler.scale(total)).backward()
             dp.accumulate()
         except BaseException:
             # Nothing of this logical batch may reach a later release: drop the records held from
@@ -556,7 +559,7 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
       :func:`sequence_classification_per_record_loss`.
     * ``seed``: tests only (sampling and noise become predictable: no privacy).
 
-    Refused at construction: fp16 (use bf16), DeepSpeed, FSDP, more than one process or GPU,
+    Refused at construction: DeepSpeed, FSDP, more than one process or GPU,
     ``auto_find_batch_size``."""
 
     def __init__(
