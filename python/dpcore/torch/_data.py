@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -227,7 +227,7 @@ class DPDataLoader:
 def _take_none(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[:0]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: _take_none(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(_take_none(v) for v in batch)

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
-import torch
 
 from ..ledger import PrivacyLedger
 from ..queries.base import derive_seed
+from ..mechanism import gaussian_noise
 from ..sampling import poisson_sample
+from ..torch._data import _take_none
 
 __all__ = ["BatchTag", "DPRun", "TrainerBatches", "TAG"]
 
@@ -67,7 +68,6 @@ class DPRun:
         accumulation: int,
         poisson: bool,
         seed: Optional[int],
-        data_seed: int,
     ) -> None:
         self.ledger: PrivacyLedger = ledger  # type: ignore[assignment]
         self.n = int(population_size)
@@ -76,7 +76,6 @@ class DPRun:
         self.logical_batch_size = self.batch_size * self.accumulation
         self.poisson = bool(poisson)
         self.seed = seed
-        self.data_seed = int(data_seed)
         self.sampling_probability = self.logical_batch_size / self.n
         if self.poisson:
             self.steps_per_epoch = max(1, round(1.0 / self.sampling_probability))
@@ -182,6 +181,7 @@ class TrainerBatches:
         self.run = run
         self.batch_size = run.batch_size
         self._position = position
+        self._perm: Optional[Tuple[int, np.ndarray]] = None
 
     def __len__(self) -> int:
         return self.run.steps_per_epoch * self.run.accumulation
@@ -190,8 +190,13 @@ class TrainerBatches:
         run = self.run
         if run.poisson:
             return poisson_sample(run.n, run.sampling_probability, seed=derive_seed(run.seed, serial))
-        rng = np.random.default_rng([run.data_seed if run.seed is None else int(run.seed), epoch])
-        perm = rng.permutation(run.n)
+        # One permutation per epoch, from ChaCha20 keys (OS-keyed; derived from the test seed when
+        # given). A resumed epoch draws a new one: a shuffled batch gets no amplification, so the
+        # accounting does not depend on which permutation.
+        if self._perm is None or self._perm[0] != epoch:
+            keys = gaussian_noise((run.n,), 1.0, dtype=np.float64, seed=derive_seed(run.seed, epoch, 0x5F))
+            self._perm = (epoch, np.argsort(keys, kind="stable"))
+        perm = self._perm[1]
         b = run.logical_batch_size
         return np.sort(perm[k * b : (k + 1) * b])
 
@@ -223,13 +228,3 @@ class TrainerBatches:
                 batch = self._fetch(part)
                 batch[TAG] = BatchTag(serial, c, ga, len(part), len(idx))
                 yield batch
-
-
-def _take_none(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, Mapping):
-        return {k: _take_none(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_take_none(v) for v in batch)
-    return batch

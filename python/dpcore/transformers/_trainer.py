@@ -201,7 +201,6 @@ class DPTrainerMixin:
             accumulation=ga,
             poisson=poisson_sampling,
             seed=seed,
-            data_seed=args.data_seed if getattr(args, "data_seed", None) is not None else args.seed,
         )
         # -- σ: given, or calibrated for the planned number of steps
         steps = int(args.max_steps) if args.max_steps and args.max_steps > 0 else math.ceil(
