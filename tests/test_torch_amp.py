@@ -59,15 +59,17 @@ class Enc(nn.Module):
 
 
 class Rnn(nn.Module):
-    """Embedding -> LSTM -> Linear. ``reference=True`` runs the LSTM as CUDA autocast does (in
-    the autocast dtype) by casting by hand: PyTorch's CPU LSTM fails under bfloat16 autocast
-    (oneDNN "could not create a primitive descriptor"), so the brute force cannot use it."""
+    """Embedding -> LSTM (or GRU) -> Linear. ``reference=True`` runs the recurrent layer as CUDA
+    autocast does (in the autocast dtype) by casting by hand: PyTorch's CPU LSTM fails under
+    bfloat16 autocast (oneDNN "could not create a primitive descriptor"), so the brute force
+    cannot use it."""
 
     reference = False
+    cell = nn.LSTM
 
     def __init__(self):
         super().__init__()
-        self.emb, self.r, self.h = nn.Embedding(11, 8), nn.LSTM(8, 6, batch_first=True), nn.Linear(6, 3)
+        self.emb, self.r, self.h = nn.Embedding(11, 8), self.cell(8, 6, batch_first=True), nn.Linear(6, 3)
 
     def forward(self, i):
         e = self.emb(i)
@@ -80,6 +82,23 @@ class Rnn(nn.Module):
         else:
             out = self.r(e)[0]
         return self.h(out[:, -1])
+
+
+class Gru(Rnn):
+    cell = nn.GRU
+
+
+class OwnMatmul(nn.Module):
+    """A layer with no rule (the torch.func fallback): its own weight in a matrix product,
+    which autocast runs in bfloat16, and an elementwise scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(9, 7) * 0.3)
+        self.s = nn.Parameter(torch.ones(9))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w.t()) * self.s
 
 
 class Cnn(nn.Module):
@@ -110,6 +129,10 @@ MODELS = {
     "embedding": (Seq, IDX),
     "attention": (Enc, IDX),
     "lstm": (Rnn, IDX),
+    "gru": (Gru, IDX),
+    # behind a Linear: under autocast its input arrives in bfloat16, so its per-record
+    # recomputation (in the backward pass) must run under the forward's autocast too
+    "generic": (lambda: nn.Sequential(nn.Linear(7, 7), OwnMatmul(), nn.Linear(9, 3)), VEC),
     "conv": (Cnn, IMG),
 }
 
@@ -152,7 +175,7 @@ def test_low_precision_release_equals_brute_force(family, mode):
         model = model.to(dt)
         x = x.to(dt) if x.is_floating_point() else x
     ref_model = None
-    if family == "lstm" and mode == "autocast":
+    if family in ("lstm", "gru") and mode == "autocast":
         ref_model = copy.deepcopy(model)
         ref_model.reference = True
     _compare(model, _loss(x, mode == "autocast"), 6, ref_model, u=u)
