@@ -66,14 +66,17 @@ def build(ledger, *, seed=3, inner="sgd", query=False, weights=None, model=None,
     return make_private(model, opt, DataLoader(dataset(n), batch_size=BS), ledger=str(ledger), seed=seed, **how, **kw)
 
 
-def train(model, opt, loader, steps):
-    """``steps`` releases, pass after pass; breaks out of the pass in the middle when done."""
+def train(model, opt, loader, steps, bf16=False):
+    """``steps`` releases, pass after pass; breaks out of the pass in the middle when done.
+    ``bf16``: the forward passes under bfloat16 autocast."""
     done = 0
     while done < steps:
         for x, y in loader:
             opt.zero_grad()
             if len(x):
-                nn.functional.cross_entropy(model(x), y).backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    out = model(x)
+                nn.functional.cross_entropy(out.float(), y).backward()
             opt.step()
             if opt.last_step_released:
                 done += 1
@@ -99,16 +102,16 @@ def checkpoint(model, opt, path):
     return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("inner,query", [("sgd", False), ("adam", True)])
-def test_resumed_run_equals_uninterrupted(tmp_path, inner, query):
+@pytest.mark.parametrize("inner,query,bf16", [("sgd", False, False), ("adam", True, False), ("adam", True, True)])
+def test_resumed_run_equals_uninterrupted(tmp_path, inner, query, bf16):
     total, k = 8, 3  # the checkpoint falls in the middle of the first pass
     model, opt, loader = build(tmp_path / "a.jsonl", inner=inner, query=query)
-    train(model, opt, loader, total)
+    train(model, opt, loader, total, bf16)
     want, want_eps, want_samples = params(model), epsilon(opt), opt.ledger.samples
     want_gs = [g.gs for g in opt._groups]
 
     model, opt, loader = build(tmp_path / "b.jsonl", inner=inner, query=query)
-    train(model, opt, loader, k)
+    train(model, opt, loader, k, bf16)
     ck = checkpoint(model, opt, tmp_path / "ckpt.pt")
     saved_gs = [g.gs for g in opt._groups]
     opt.ledger.close()  # the process ends
@@ -121,7 +124,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path, inner, query):
     opt.load_state_dict(ck["optimizer"])
     assert [g.gs for g in opt._groups] == saved_gs
     assert opt._releases == k and loader.samples_drawn == k and opt._drawn_at_release == k
-    train(model, opt, loader, total - k)
+    train(model, opt, loader, total - k, bf16)
 
     for a, b in zip(params(model), want):
         assert torch.equal(a, b)
