@@ -593,14 +593,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _skip_overflow(self, releasing: bool, drawn: Optional[int]) -> None:
         """Drops the logical batch after an overflow; at its end, skips the release."""
-        self._discard()
-        for p in self._params:
-            p.grad = None
+        self.discard()
         self.last_step_released = False
         if not releasing:
-            self._overflowed = True
+            self._overflowed = True  # the rest of this logical batch is dropped too
             return
-        self._overflowed = False
         if drawn is not None:
             self._drawn_at_release = drawn
         self.skipped_steps += 1
