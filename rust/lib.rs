@@ -17,6 +17,7 @@ pub mod error;
 pub mod kernels;
 pub mod ledger;
 pub mod mechanism;
+pub mod mf;
 pub mod noise;
 pub mod records;
 pub mod rng;

@@ -19,6 +19,7 @@ __all__ = [
     "poisson_sample",
     "fixed_size_sample",
     "ledger_scan",
+    "mf_noise",
     "pld_epsilon_bounds",
     "pld_delta_bounds",
     "rdp_poisson_subsampled_gaussian",
@@ -108,6 +109,22 @@ def part_sumsq(arrays: List[np.ndarray], parallel: bool = True) -> List[npt.NDAr
     calling thread."""
 def gaussian_flat(n: int, stddev: float, double: bool, seed: Optional[int] = None, parallel: bool = True) -> np.ndarray:
     """`n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread."""
+def mf_noise(
+    kind: str,
+    coefficients: List[float],
+    theta: List[float],
+    omega: List[float],
+    state: np.ndarray,
+    dim: int,
+    step: int,
+    stddev: float,
+    sum: Optional[npt.NDArray[np.float64]] = None,
+    denominator: float = 1.0,
+    seed: Optional[int] = None,
+    parallel: bool = True,
+) -> np.ndarray:
+    """Step `step` of a matrix-factorization mechanism's correlated noise: `(sum + stddev·(C⁻¹z)_step)
+    / denominator` in the state's dtype, advancing `state` (dim × state values per coordinate) in place."""
 def poisson_sample(n: int, q: float, seed: Optional[int] = None) -> npt.NDArray[np.uint64]:
     """Sorted indices of a Poisson sample (uint64)."""
 def ledger_scan(

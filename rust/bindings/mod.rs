@@ -15,6 +15,7 @@ mod accounting;
 use crate::error::DpError;
 use crate::discrete::{DiscreteParams, Rounding};
 use crate::mechanism::{discrete_gaussian_sum, discrete_release as release, gaussian_sum_as, Output};
+use crate::mf::{correlated_noise, Strategy};
 use crate::noise::gaussian;
 use crate::records::{Column, Part, Records};
 use crate::rng::Seed;
@@ -428,12 +429,61 @@ fn fixed_size_sample(py: Python<'_>, n: u64, b: u64, seed: Option<u64>) -> PyRes
     detached_array(py, || sampling::fixed_size_sample(n, b, Seed::from_option(seed)))
 }
 
+/// Step `step` of a matrix-factorization mechanism's correlated noise (see `crate::mf`):
+/// `(sum + stddev·(C⁻¹z)_step) / denominator`, advancing `state` in place. `kind` is "banded"
+/// (`coefficients`) or "blt" (`theta`, `omega`); the state's dtype (float32 or float64) is the
+/// output's; it must be C-contiguous and writable, and is left unchanged on any error.
+#[pyfunction]
+#[pyo3(signature = (kind, coefficients, theta, omega, state, dim, step, stddev, sum=None, denominator=1.0, seed=None, parallel=true))]
+#[allow(clippy::too_many_arguments)]
+fn mf_noise(
+    py: Python<'_>,
+    kind: &str,
+    coefficients: Vec<f64>,
+    theta: Vec<f64>,
+    omega: Vec<f64>,
+    state: Bound<'_, PyAny>,
+    dim: usize,
+    step: u64,
+    stddev: f64,
+    sum: Option<PyReadonlyArray1<'_, f64>>,
+    denominator: f64,
+    seed: Option<u64>,
+    parallel: bool,
+) -> PyResult<Py<PyAny>> {
+    let strategy = match kind {
+        "banded" => Strategy::Banded(&coefficients),
+        "blt" => Strategy::Blt { theta: &theta, omega: &omega },
+        _ => return Err(PyValueError::new_err(format!("kind must be 'banded' or 'blt', got {kind:?}"))),
+    };
+    let sum = match &sum {
+        Some(a) => Some(a.as_slice().map_err(|_| PyValueError::new_err("sum must be a C-contiguous float64 array"))?),
+        None => None,
+    };
+    let key = Seed::from_option(seed).key().map_err(to_py)?;
+    let not_contig = |_| PyValueError::new_err("state must be a C-contiguous, writable array");
+    if let Ok(a) = state.cast::<PyArray1<f32>>() {
+        let mut rw = a.try_readwrite().map_err(|_| PyValueError::new_err("state is not writable"))?;
+        let st = rw.as_slice_mut().map_err(not_contig)?;
+        detached_array(py, || correlated_noise::<f32>(&strategy, st, dim, step, stddev, sum, denominator, &key, parallel))
+    } else if let Ok(a) = state.cast::<PyArray1<f64>>() {
+        let mut rw = a.try_readwrite().map_err(|_| PyValueError::new_err("state is not writable"))?;
+        let st = rw.as_slice_mut().map_err(not_contig)?;
+        detached_array(py, || correlated_noise::<f64>(&strategy, st, dim, step, stddev, sum, denominator, &key, parallel))
+    } else {
+        Err(PyTypeError::new_err(format!(
+            "state: expected a 1-d float32 or float64 numpy array, got {}",
+            state.get_type().name()?
+        )))
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     add_functions!(m, [
         gaussian_sum_flat, record_norms, clip_sum_groups, gaussian_release, discrete_params,
         discrete_gaussian_sum_flat, clip_round_sum, discrete_release, part_sumsq, gaussian_flat,
-        poisson_sample, fixed_size_sample, ledger_scan,
+        poisson_sample, fixed_size_sample, ledger_scan, mf_noise,
     ]);
     accounting::register(m)?;
     m.add("NOISE_CHUNK", crate::noise::NOISE_CHUNK)?;
