@@ -8,7 +8,8 @@ the event holds the privacy tuples (S_g, σ̃_g) that the ledger records (§6).
 Queries: :class:`GaussianSumQuery`, :class:`GaussianAverageQuery`, :class:`JointClipQuery` (§2),
 :class:`NestedQuery` (groups with separate clipping, §2–§3), :class:`CountQuery` (metrics),
 :class:`NoPrivacyQuery`, :class:`QuantileAdaptiveClipQuery` (Andrew et al. 2021),
-:class:`MicrobatchQuery` (survey §5.6). Strategies of §4 live in :mod:`.strategies`.
+:class:`MicrobatchQuery` (survey §5.6), :class:`MatrixFactorizationQuery` (correlated noise,
+Choquette-Choo et al. 2022). Strategies of §4 live in :mod:`.strategies`.
 """
 
 from .adaptive import QuantileAdaptiveClipQuery
@@ -29,6 +30,7 @@ from .gaussian import (
     NoPrivacyQuery,
     ReleasePlan,
 )
+from .matrix_factorization import MatrixFactorizationGlobalState, MatrixFactorizationQuery
 from .microbatch import MicrobatchQuery, scale_sensitivity
 from .nested import NestedQuery
 from .strategies import (
@@ -52,6 +54,8 @@ __all__ = [
     "NestedQuery",
     "QuantileAdaptiveClipQuery",
     "MicrobatchQuery",
+    "MatrixFactorizationQuery",
+    "MatrixFactorizationGlobalState",
     "scale_sensitivity",
     "SumQueryEvent",
     "ComposedQueryEvent",
