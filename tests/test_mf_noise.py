@@ -144,3 +144,24 @@ def test_stale_global_state_is_refused_and_nested_queries_work():
         out, ngs, nev = nested.get_noised_result(nst, ngs)
     mechs = sorted(t.mechanism for t in nev.privacy_tuples())
     assert mechs == ["gaussian", "matrix_factorization"]
+
+
+def test_scaled_sensitivity_keeps_the_mechanism_and_stream():
+    """A microbatched MF step stays an MF step in the ledger (not independent Gaussian noise)."""
+    from dpcore.queries import scale_sensitivity
+
+    q = _query()
+    _, gs, ev = q.get_noised_result(q.initial_sample_state(np.zeros(2)), q.initial_global_state())
+    scaled = scale_sensitivity(ev, 2.0)
+    assert scaled.l2_norm_clip == 2.0 * ev.l2_norm_clip
+    assert (scaled.mechanism, scaled.stream, scaled.declaration) == (ev.mechanism, ev.stream, ev.declaration)
+
+
+def test_the_recorded_noise_multiplier_is_never_below_the_one_asked_for():
+    from dpcore.matrix_factorization import StreamDeclaration
+
+    for z in (0.5, 1.0, 1.7, 3.3):
+        q = _query(z=z)
+        _, _, ev = q.get_noised_result(q.initial_sample_state(np.zeros(2)), q.initial_global_state())
+        sens = StreamDeclaration.from_json(ev.declaration).sensitivity(20)
+        assert ev.stddev / (ev.l2_norm_clip * sens) >= z

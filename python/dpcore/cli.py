@@ -5,6 +5,13 @@
   (:func:`dpcore.accounting.epsilon`, :class:`dpcore.accounting.PldAccountant`).
 * ``dpcore calibrate --epsilon E --delta D`` with two of ``-q``, ``-z``, ``--steps/--epochs``:
   the missing one (:mod:`dpcore.accounting.calibration`).
+* ``--mechanism mf`` (both commands): a matrix-factorization (correlated noise, DP-FTRL)
+  mechanism instead of DP-SGD, with ``--min-separation B`` (records cut once into B fixed
+  batches, batch t mod B at step t), ``--steps N`` or ``--epochs E`` (E·B steps), and ``-q P``
+  for cyclic Poisson sampling (each record of the group with probability P). ``-z`` is the
+  *effective* noise multiplier σ/(S·sens); ``--strategy FILE`` (a strategy's JSON,
+  ``strategy.to_dict()``, e.g. ``{"kind": "banded", "coefficients": [1.0, 0.6, 0.2]}``) adds
+  its sensitivity and the stddev σ = z·S·sens to use (:mod:`dpcore.matrix_factorization`).
 * ``dpcore report LEDGER --delta D [--format markdown|json]``: the privacy report
   (:meth:`dpcore.PrivacyLedger.report`).
 * ``dpcore plot LEDGER --delta D -o eps.png``: ε against steps under PLD and RDP
@@ -75,6 +82,15 @@ _EPS = _float("--epsilon", 0.0, math.inf, True, True)
 def _steps_of(args: argparse.Namespace, parser: argparse.ArgumentParser, q: Optional[float]) -> Optional[int]:
     if args.steps is not None and args.epochs is not None:
         parser.error("give --steps or --epochs, not both")
+    if args.mechanism == "mf":
+        if args.min_separation is None:
+            parser.error("--mechanism mf needs --min-separation (the batches of one epoch: a record takes part at most once every that many steps)")
+        if args.epochs is not None:
+            return max(1, math.ceil(args.epochs * args.min_separation))
+        return args.steps
+    for flag in ("min_separation", "strategy"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')} is a matrix-factorization option; add --mechanism mf")
     if args.epochs is not None:
         if q is None:
             parser.error("--epochs needs -q (an epoch is 1/q steps)")
@@ -107,10 +123,97 @@ def epsilon_summary(q: float, z: float, steps: int, delta: float, accountant: st
     }
 
 
+def _participation(args: argparse.Namespace) -> Any:
+    from .matrix_factorization import Participation
+
+    if args.q is not None:
+        return Participation.cyclic_poisson(args.min_separation, args.q)
+    return Participation.cyclic(args.min_separation)
+
+
+def _strategy(path: Optional[str], participation: Any) -> Any:
+    """The strategy in the JSON file ``path`` (None: none given), checked against the schema."""
+    if path is None:
+        return None
+    from .matrix_factorization import strategy_from_dict
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise DataError(f"{path}: not a JSON file: {e}") from None
+    try:
+        strategy = strategy_from_dict(d)
+        if participation.kind == "cyclic_poisson":
+            strategy.check_cyclic_poisson(participation)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{path}: {e}") from None
+    return strategy
+
+
+def mf_summary(
+    participation: Any, z: float, steps: int, delta: float, accountant: str = "pld", strategy: Any = None
+) -> Dict[str, Any]:
+    """ε of ``steps`` steps of a matrix-factorization mechanism at effective noise multiplier
+    ``z`` (:func:`dpcore.matrix_factorization.epsilon`), with PLD, its lower bound and RDP beside
+    it; with a ``strategy``, its sensitivity and the stddev per unit of clip norm σ/S = z·sens."""
+    from .matrix_factorization import stddev_for
+
+    p = participation.sampling_probability
+    k = participation.participations(steps)
+    # The composition the MF run is (see dpcore.matrix_factorization._accounting): one Gaussian
+    # mechanism for fixed batches, k Poisson-sampled Gaussian participations for cyclic Poisson.
+    out = epsilon_summary(1.0, z, 1, delta, accountant) if p is None else epsilon_summary(p, z, k, delta, accountant)
+    out.update(
+        mechanism="mf",
+        noise_multiplier=z,
+        steps=steps,
+        sampling_probability=p,
+        participation=participation.to_dict(),
+        participation_schema=participation.describe(),
+        participations=k,
+    )
+    if strategy is not None:
+        sens = strategy.sensitivity(steps, participation)
+        out.update(
+            strategy=strategy.to_dict(),
+            strategy_description=strategy.describe(),
+            sensitivity=sens,
+            stddev_per_unit_clip=stddev_for(z, 1.0, strategy, participation, steps),
+        )
+    return out
+
+
+def _mf_text(out: Dict[str, Any]) -> str:
+    k = out["participations"]
+    text = f"{out['steps']} steps of matrix factorization, {out['participation_schema']} ({k} participation(s))"
+    if "sensitivity" in out:
+        text += (
+            f"\n  strategy: {out['strategy_description']}; sensitivity {out['sensitivity']:.6g}; "
+            f"noise stddev σ = {out['stddev_per_unit_clip']:.6g}·S (S the clip norm)"
+        )
+    return text
+
+
 def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     steps = _steps_of(args, parser, args.q)
     if steps is None:
         parser.error("give --steps or --epochs")
+    if args.mechanism == "mf":
+        part = _participation(args)
+        strategy = _strategy(args.strategy, part)
+        with _Spinner("accounting"):
+            out = mf_summary(part, args.z, steps, args.delta, args.accountant, strategy)
+        out["text"] = (
+            f"ε = {out['epsilon']:.6g} at δ = {args.delta:g} ({args.accountant}) at effective noise multiplier "
+            f"z = σ/(S·sens) = {args.z:g}\n  PLD {out['epsilon_pld']:.6g} (lower bound {out['epsilon_pld_lower_bound']:.6g}), "
+            f"RDP {out['epsilon_rdp']:.6g}\n  " + _mf_text(out)
+        )
+        return out
+    if args.q is None:
+        parser.error("DP-SGD needs -q (the sampling probability)")
     with _Spinner("accounting"):
         out = epsilon_summary(args.q, args.z, steps, args.delta, args.accountant)
     out["text"] = (
@@ -125,6 +228,8 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from .accounting import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
 
     steps = _steps_of(args, parser, args.q)
+    if args.mechanism == "mf":
+        return _calibrate_mf(args, parser, steps)
     given = [args.q is not None, args.z is not None, steps is not None]
     if sum(given) != 2:
         parser.error("give exactly two of -q, -z and --steps/--epochs; the third is calibrated")
@@ -147,6 +252,25 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             out.update(steps=t, sampling_probability=args.q, noise_multiplier=args.z)
             text = f"steps = {t} (q = {args.q:g}, σ = {args.z:g}; {t * args.q:.4g} epochs)"
     out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({args.accountant})"
+    return out
+
+
+def _calibrate_mf(args: argparse.Namespace, parser: argparse.ArgumentParser, steps: Optional[int]) -> Dict[str, Any]:
+    from .matrix_factorization import calibrate_noise_multiplier
+
+    if steps is None or args.z is not None:
+        parser.error("--mechanism mf calibrates the noise multiplier: give --steps or --epochs, not -z")
+    part = _participation(args)
+    strategy = _strategy(args.strategy, part)
+    with _Spinner("calibrating"):
+        z = calibrate_noise_multiplier(args.epsilon, args.delta, participation=part, steps=steps, accountant=args.accountant)
+        summary = mf_summary(part, z, steps, args.delta, args.accountant, strategy)
+    out: Dict[str, Any] = {k: v for k, v in summary.items() if not k.startswith("epsilon")}
+    out.update(epsilon=args.epsilon, delta=args.delta, accountant=args.accountant, epsilon_achieved=summary["epsilon"])
+    out["text"] = (
+        f"effective noise multiplier z = σ/(S·sens) = {z:.6g} for ε = {args.epsilon:g} at δ = {args.delta:g} "
+        f"({args.accountant})\n  " + _mf_text(summary)
+    )
     return out
 
 
@@ -308,16 +432,38 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
-    e = sub.add_parser("epsilon", help="ε of DP-SGD for a sampling probability, noise multiplier and steps")
-    e.add_argument("-q", "--sampling-probability", dest="q", type=_Q, required=True)
+    def mf_options(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_argument_group(
+            "matrix factorization (--mechanism mf)",
+            "Correlated noise (DP-FTRL): the records are cut once into B fixed batches (or groups) and batch "
+            "t mod B is used at step t. -z is the effective noise multiplier z = σ/(S·sens(C)): with fixed "
+            "batches ε is the Gaussian mechanism's at z whatever the strategy C; with -q P (cyclic Poisson "
+            "sampling, each record of the group with probability P; banded C with at most B bands) ε is that "
+            "of ceil(steps/B) Poisson-sampled Gaussian steps at P and z. --epochs E means E·B steps.",
+        )
+        g.add_argument("--mechanism", choices=["dpsgd", "mf"], default="dpsgd",
+                       help="dpsgd (default): Poisson-sampled Gaussian steps; mf: matrix factorization")
+        g.add_argument("--min-separation", type=_count("--min-separation"), metavar="B",
+                       help="mf: batches per epoch; a record takes part at most once every B steps")
+        g.add_argument("--strategy", metavar="FILE",
+                       help='mf: a strategy as JSON (strategy.to_dict(), e.g. {"kind": "banded", "coefficients": '
+                            '[1.0, 0.6, 0.2]} or {"kind": "blt", "theta": [...], "omega": [...]}): adds its '
+                            "sensitivity and the noise stddev σ = z·S·sens to use")
+
+    e = sub.add_parser("epsilon", help="ε of DP-SGD (or of a matrix-factorization mechanism, --mechanism mf) for a "
+                       "sampling probability, noise multiplier and steps")
+    e.add_argument("-q", "--sampling-probability", dest="q", type=_Q,
+                   help="the sampling probability (required for DP-SGD; for mf: cyclic Poisson sampling)")
     e.add_argument("-z", "--noise-multiplier", dest="z", type=_Z, required=True)
     e.add_argument("--steps", type=_count("--steps"))
-    e.add_argument("--epochs", type=_epochs, help="instead of --steps: ceil(epochs/q) steps")
+    e.add_argument("--epochs", type=_epochs, help="instead of --steps: ceil(epochs/q) steps (mf: epochs·B)")
     e.add_argument("--delta", type=_DELTA, required=True)
     e.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    mf_options(e)
     common(e)
 
-    c = sub.add_parser("calibrate", help="the noise multiplier, sampling probability or steps for a target ε")
+    c = sub.add_parser("calibrate", help="the noise multiplier, sampling probability or steps for a target ε "
+                       "(--mechanism mf: the effective noise multiplier of a matrix-factorization mechanism)")
     c.add_argument("--epsilon", type=_EPS, required=True)
     c.add_argument("--delta", type=_DELTA, required=True)
     c.add_argument("-q", "--sampling-probability", dest="q", type=_Q)
@@ -325,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=_count("--steps"))
     c.add_argument("--epochs", type=_epochs)
     c.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    mf_options(c)
     common(c)
 
     r = sub.add_parser("report", help="the privacy report of a ledger (Ponomareva et al. 2023, §5.3.3)")

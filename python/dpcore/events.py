@@ -20,16 +20,24 @@ an accountant can analyse: Gaussian steps, the sampling that amplifies them, and
 They are hashable (the accountant groups identical events by hash) and round-trip through JSON
 with :meth:`Event.to_dict` / :func:`event_from_dict`.
 
+A sum-query event of mechanism ``"matrix_factorization"`` is one step of a correlated-noise
+stream (DP-FTRL): it names its stream and carries the stream's declaration (strategy,
+participation schema, planned steps), and the ledger accounts the stream's steps together
+rather than by Eq. (1) (:mod:`dpcore.ledger._events`).
+
 Both kinds are frozen dataclasses, validated on construction, so that nothing a query or a
 caller does later can change what was recorded.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import re
 import sys
-from dataclasses import dataclass, fields
-from typing import Any, Dict, Iterable, Tuple, Type
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Iterable, Optional, Tuple, Type
 
 from ._validate import count as _count, finite as _finite, integer as _int, probability as _probability, real as _real
 
@@ -49,7 +57,63 @@ __all__ = [*QUERY_EVENTS, *ACCOUNTANT_EVENTS]
 # ============================================================================= sum-query events
 
 #: The noise distributions a sum query may add.
-MECHANISMS = ("gaussian", "discrete_gaussian")
+MECHANISMS = ("gaussian", "discrete_gaussian", "matrix_factorization")
+#: The mechanism of a matrix-factorization (correlated noise) query: one step of a stream.
+MATRIX_FACTORIZATION = "matrix_factorization"
+
+# A stream id: printable ASCII without spaces (a uuid's hex, say), at most 200 characters.
+_STREAM_ID = re.compile(r"[!-~]{1,200}")
+
+
+def check_stream_id(stream: Any) -> str:
+    """``stream`` if it is a valid stream id (printable ASCII without spaces, 1 to 200
+    characters, e.g. ``uuid.uuid4().hex``); TypeError or ValueError otherwise."""
+    if not isinstance(stream, str):
+        raise TypeError(f"stream must be a str (one id per matrix-factorization query run), got {type(stream).__name__}")
+    if not _STREAM_ID.fullmatch(stream):
+        raise ValueError(f"stream must be 1 to 200 printable ASCII characters without spaces, got {stream!r}")
+    return stream
+
+
+def check_declaration_shape(declaration: Any) -> Dict[str, Any]:
+    """The parsed ``declaration`` of a matrix-factorization query, checked for its shape only:
+    a JSON object ``{"strategy": {...}, "participation": {...}, "steps": n}``. The ledger
+    rebuilds the strategy and the participation schema from it and checks them fully
+    (:mod:`dpcore.matrix_factorization`); this module imports nothing that could."""
+    if not isinstance(declaration, str):
+        raise TypeError(f"declaration must be a JSON str, got {type(declaration).__name__}")
+    try:
+        d = json.loads(declaration, parse_constant=_no_constant)
+    except ValueError as e:
+        raise ValueError(f"declaration is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or set(d) != {"strategy", "participation", "steps"}:
+        raise ValueError(
+            'declaration must be a JSON object with exactly the keys "strategy", "participation" and "steps", '
+            f"got {declaration[:200]!r}"
+        )
+    for k in ("strategy", "participation"):
+        if not isinstance(d[k], dict) or not isinstance(d[k].get("kind"), str):
+            raise ValueError(f"declaration: {k} must be an object with a \"kind\", got {d[k]!r}")
+    steps = d["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"declaration: steps must be an int >= 1, got {steps!r}")
+    return d
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid value")
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_declaration(declaration: str) -> None:
+    """:func:`check_declaration_shape`, remembered: every step of a stream carries the same text
+    (an exception is not remembered)."""
+    check_declaration_shape(declaration)
+
+
+def is_matrix_factorization(t: Any) -> bool:
+    """Whether the privacy tuple ``t`` is one step of a matrix-factorization stream."""
+    return getattr(t, "mechanism", "gaussian") == MATRIX_FACTORIZATION
 
 
 def is_discrete(privacy_tuples: Iterable[Any]) -> bool:
@@ -71,15 +135,41 @@ class SumQueryEvent:
     ``mechanism`` is ``"gaussian"`` or ``"discrete_gaussian"`` (Canonne, Kamath & Steinke 2020:
     records rounded onto a grid, integer noise N_ℤ(0, σ̃²) in grid units); for the latter S_g is
     the sensitivity after rounding, and the accountants use the discrete Gaussian's analysis.
+
+    ``"matrix_factorization"``: one step of a correlated-noise stream (DP-FTRL; Choquette-Choo et
+    al. 2022, arXiv 2211.06530): the noise added at step t is σ̃·(C⁻¹z)_t, so that the steps of
+    a stream are not independent Gaussian queries and are accounted together. Such an event
+    names its ``stream`` (one id per query run, e.g. a uuid's hex) and carries its
+    ``declaration``: the canonical JSON text of ``{"strategy": strategy.to_dict(),
+    "participation": participation.to_dict(), "steps": n}`` (n the planned steps), from which
+    the ledger's accountant rebuilds the strategy and recomputes the sensitivity. Both are
+    required for that mechanism and forbidden for the others; here the declaration's shape is
+    checked, the ledger checks the rest before recording it.
     """
 
     l2_norm_clip: float
     stddev: float
     mechanism: str = "gaussian"
+    stream: Optional[str] = None
+    declaration: Optional[str] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}; got {self.mechanism!r}")
+        if self.mechanism == MATRIX_FACTORIZATION:
+            if self.stream is None or self.declaration is None:
+                raise ValueError(
+                    "a matrix_factorization sum query needs its stream id and its declaration "
+                    "(strategy, participation and planned steps)"
+                )
+            check_stream_id(self.stream)
+            if not isinstance(self.declaration, str):
+                raise TypeError(f"declaration must be a JSON str, got {type(self.declaration).__name__}")
+            _checked_declaration(self.declaration)
+        elif self.stream is not None or self.declaration is not None:
+            raise ValueError(
+                f"stream and declaration belong to matrix_factorization sum queries, not to {self.mechanism!r} ones"
+            )
         s = _finite("l2_norm_clip", self.l2_norm_clip)
         sd = _finite("stddev", self.stddev)
         if s <= 0:

@@ -17,6 +17,20 @@ File format: JSON lines, UTF-8, append-only. Line 1 is the header
     {"type": "non_private", "sample": 0}
     {"type": "torn_tail_repaired", "line": 7, "fragment": "{\\"type\\": \\"sum_q"}
 
+Matrix-factorization (correlated-noise) queries add two kinds of lines, only when used (a ledger
+without them is byte for byte what it was): the first release of a stream declares it, in the
+same write as that release and before its sum queries, and each step names its stream::
+
+    {"type": "mf_stream", "stream": "9f1c…", "strategy": {"kind": "banded", "coefficients": [1.0, 0.4]},
+     "participation": {"kind": "cyclic", "min_separation": 100}, "steps": 1000}
+    {"type": "sum_query", "sample": 0, "l2_norm_clip": 1.0, "stddev": 3.2,
+     "mechanism": "matrix_factorization", "stream": "9f1c…"}
+
+Their samples have the policy ``"cyclic"`` (fixed batches, batch t mod b at step t) or
+``"cyclic_poisson"`` (group t mod b, each record with probability p). A stream's declaration
+is fixed: a release declaring another one is refused. The accountant rebuilds the strategy from
+the declaration and recomputes its sensitivity (:mod:`._events`).
+
 Durability: a sample's entries are written with one ``write`` and ``fsync``-ed before
 :meth:`PrivacyLedger.record_release` returns, and callers return a noised result only after
 that (see :class:`dpcore.PrivateAggregator`). A crash can therefore only tear the entries of a
@@ -33,13 +47,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .._attrs import readonly
 from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_accountant
 from ..events import SelfComposedEvent
 from ._events import check_neighboring, rdp_relation_error, samples_to_event
 from ._storage import (
+    CYCLIC,
+    CYCLIC_POISSON,
     DEFAULT_PRIVACY_UNIT,
     FIXED_SIZE,
     FORMAT,
@@ -56,8 +72,10 @@ from ._storage import (
     _release_entries,
     _replace,
     _sample_entry,
+    _stream_entries,
     _tuples_of,
     read_ledger,
+    streams_of,
 )
 
 __all__ = [
@@ -72,6 +90,8 @@ __all__ = [
     "POISSON",
     "FIXED_SIZE",
     "SHUFFLE",
+    "CYCLIC",
+    "CYCLIC_POISSON",
 ]
 
 
@@ -112,6 +132,7 @@ class PrivacyLedger:
                 f"{self._path}: the ledger records privacy unit {self._unit!r}; it cannot be continued as {privacy_unit!r}"
             )
         self._samples = contents.samples
+        self._streams = contents.streams
         self.torn_tail: Optional[TornTail] = contents.torn
         self._lines = contents.lines
 
@@ -130,6 +151,7 @@ class PrivacyLedger:
         self._read_only = "opened read-only with load()"
         self._current = False
         self._samples, self.torn_tail, self._lines = contents.samples, contents.torn, contents.lines
+        self._streams = contents.streams
         self._unit = contents.privacy_unit or DEFAULT_PRIVACY_UNIT
         return self
 
@@ -143,6 +165,7 @@ class PrivacyLedger:
         self._path, self._read_only, self._pending, self._current = label, None, None, False
         self._file = _MemoryFile(label)  # type: ignore[assignment]
         self._samples = samples.copy() if isinstance(samples, SampleLog) else SampleLog((), samples)
+        self._streams = streams_of(self._samples)
         self.torn_tail, self._lines, self._unit = None, 0, privacy_unit
         return self
 
@@ -173,7 +196,10 @@ class PrivacyLedger:
 
         ``policy`` is the policy actually used: ``"poisson"`` (each record independently with
         probability q), ``"fixed_size_without_replacement"`` (``sample_size`` = b records uniformly,
-        q = b/n) or ``"shuffle"`` (batches of a shuffled epoch: never amplified by sampling).
+        q = b/n), ``"shuffle"`` (batches of a shuffled epoch: never amplified by sampling), or, for
+        matrix-factorization streams, ``"cyclic"`` (batch t mod b of a partition cut once;
+        ``sample_size`` = the batch's size, q = batch/population) and ``"cyclic_poisson"`` (group
+        t mod b, each record with probability q = p).
         ``seeded``: the sample came from a test seed. The entry is written together with the
         sample's first release (a sample nothing was released from costs no privacy).
         """
@@ -188,6 +214,11 @@ class PrivacyLedger:
         ``event`` is what a query's ``get_noised_result`` returned. The entries are validated,
         written with one ``write`` and fsynced before this returns; return the noised result only
         afterwards. On any error nothing is written.
+
+        A step of a matrix-factorization stream (``SumQueryEvent(mechanism="matrix_factorization")``)
+        must be released on a sample whose policy its participation schema declares (``"cyclic"``,
+        or ``"cyclic_poisson"`` at its p), and declare what the stream's first release declared;
+        otherwise :class:`LedgerError`. The first release of a stream records its declaration.
         """
         f = self._writable()
         tuples, non_private = _tuples_of(event)
@@ -199,8 +230,17 @@ class PrivacyLedger:
             raise LedgerError(
                 f"{self._path}: no sample recorded: call record_sample (or draw with a sampler given ledger=) first"
             )
-        entries = _release_entries(sample, tuples, non_private, with_sample=self._pending is not None)
+        new_streams: dict = {}
+        if any(t.stream is not None for t in tuples):
+            try:
+                tuples, new_streams = _stream_entries(sample, tuples, self._streams)
+            except LedgerError as e:
+                raise LedgerError(f"{self._path}: {e}") from None
+        entries = _release_entries(
+            sample, tuples, non_private, with_sample=self._pending is not None, new_streams=new_streams
+        )
         f.write(entries)
+        self._streams.update(new_streams)
         updated = _replace(sample, queries=sample.queries + tuple(tuples), non_private=sample.non_private or non_private)
         if self._pending is not None:
             self._samples.append(updated)
@@ -238,6 +278,15 @@ class PrivacyLedger:
         return tuple(self._samples)
 
     @property
+    def streams(self) -> Dict[str, Any]:
+        """The matrix-factorization streams recorded, by id: each one's
+        :class:`~dpcore.matrix_factorization.StreamDeclaration` (strategy, participation schema,
+        planned steps), as its first release declared it."""
+        from ._storage import _declaration
+
+        return {sid: _declaration(text) for sid, text in self._streams.items()}
+
+    @property
     def num_releases(self) -> int:
         """Samples from which something was released (the steps that cost privacy)."""
         return sum(k for s, k in self._samples.runs() if s.released)
@@ -255,6 +304,14 @@ class PrivacyLedger:
         sample and has no tight analysis, §5), with a :class:`LedgerWarning`. A sample with a
         non-private release becomes ``NonPrivateEvent`` (ε = ∞). Runs of equal events are
         composed with ``SelfComposedEvent``.
+
+        The steps of each matrix-factorization stream are left out of Eq. (1) and accounted
+        together, after the per-sample events: ``GaussianEvent(z/sens)`` for cyclic fixed
+        batches, ``SelfComposedEvent(PoissonSampledEvent(p, GaussianEvent(z/sens)), ⌈m/b⌉)`` for
+        cyclic Poisson sampling, with z the smallest σ/S of its m steps and sens the strategy's
+        sensitivity recomputed for m steps from the recorded declaration
+        (:func:`dpcore.ledger._events.account_streams`). Other queries on cyclic samples are
+        accounted like shuffled ones (no amplification), with a warning.
 
         ``neighboring`` fixes what the noise multiplier is relative to. The recorded S_g bound one
         record's contribution, which is the sensitivity under ``"add_or_remove"``: z = 1/S*

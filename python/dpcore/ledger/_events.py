@@ -3,14 +3,58 @@
 The storage layer (:mod:`._storage`) knows what was recorded; this module knows how an
 accountant must read it: which event each sampling policy becomes, what the recorded S_g mean
 under each neighbouring relation, and which samples deserve a warning.
+
+**Matrix-factorization streams** (:func:`account_streams`). The steps of a correlated-noise
+stream are not independent Gaussian queries: they are accounted together, per stream, and are
+left out of the per-sample Eq. (1) of the other queries on their samples (composition: the
+stream's event and the other queries' events are composed). For a stream with m recorded steps:
+
+* z_t = Eq. (1) over the stream's tuples on its t-th sample (several query groups of one stream
+  on one sample are one MF mechanism with the combined sensitivity), and z = min_t z_t;
+* the strategy C and the participation schema are rebuilt from the declaration the ledger
+  recorded, and sens = sens(C, m, participation) is recomputed for the m steps that ran (never
+  taken from the query; a run beyond its planned steps costs more);
+* the stream is ``GaussianEvent(z/sens)`` for cyclic fixed batches (the whole stream is one
+  Gaussian mechanism: Choquette-Choo et al. 2022, arXiv 2211.06530, §2 and Theorem 2; its ε is
+  the analytic Gaussian mechanism's, Balle & Wang 2018, arXiv 1805.06530, Theorem 8), and
+  ``SelfComposedEvent(PoissonSampledEvent(p, GaussianEvent(z/sens)), ⌈m/b⌉)`` for cyclic
+  Poisson sampling, where sens is the largest column norm (amplified banded MF, Choquette-Choo
+  et al. 2023, arXiv 2306.08153, Theorem 4).
+
+*Why the minimum is a valid bound when σ_t and S_t vary per step.* Step t releases
+x_t + σ_t·(C⁻¹Z)_t. Dividing step t by σ_t (post-processing) gives x'_t + (C⁻¹Z)_t with
+x'_t = x_t/σ_t, and multiplying by C gives C·x' + Z: a Gaussian mechanism with unit noise. One
+record adds u_t to x'_t at its steps π, ‖u_t‖ ≤ S_t/σ_t = 1/z_t ≤ 1/z. Its effect on C·x' has
+squared norm Σ_{s,t∈π} (CᵀC)_{st}⟨u_s, u_t⟩ ≤ Σ_{s,t∈π} (CᵀC)_{st}‖u_s‖‖u_t‖ ≤
+(1/z²)·‖C·1_π‖², because every (CᵀC)_{st} ≥ 0: the strategies here have non-negative
+coefficients (:mod:`dpcore.matrix_factorization._strategies`). So the sensitivity is at most
+sens/z, whatever the directions and sizes of the per-step contributions, and the noise
+multiplier of the stream at least z/sens. (With negative entries in CᵀC the bound would fail.)
+
+Neighbouring: ``add_or_remove`` takes the recorded S as the sensitivity of a record's step
+(zero-out adjacency, as in the MF papers: a record's contribution replaced by zero);
+``replace_one`` halves z, as for every other query.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Any, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
 
-from ._storage import FIXED_SIZE, POISSON, LedgerSample, LedgerWarning
+from ..events import effective_noise_multiplier
+from ._storage import (
+    CYCLIC_POISSON,
+    FIXED_SIZE,
+    POISSON,
+    SHUFFLE,
+    LedgerError,
+    LedgerSample,
+    LedgerWarning,
+    _check_stream_policy,
+    _declaration,
+)
 
 NEIGHBORING = ("add_or_remove", "replace_one")
 
@@ -27,13 +71,103 @@ def _runs(samples: Any) -> Any:
     return runs() if runs is not None else [(s, 1) for s in samples]
 
 
+def _down(x: float, ulps: int = 2) -> float:
+    for _ in range(ulps):
+        x = math.nextafter(x, 0.0)
+    return max(x, 0.0)
+
+
+@dataclass(frozen=True)
+class StreamAccount:
+    """What the ledger holds of one matrix-factorization stream, as its accountant reads it
+    (see the module docstring).
+
+    ``declaration``: the :class:`~dpcore.matrix_factorization.StreamDeclaration` rebuilt from
+    the ledger; ``steps``: m, the samples carrying the stream's steps; ``noise_multiplier``: z =
+    min_t z_t (σ/S of the step, Eq. (1) over the stream's groups on one sample);
+    ``sensitivity``: sens(C, m, participation), recomputed; ``effective_noise_multiplier``:
+    z/sens under add-or-remove (rounded down), the noise multiplier of the Gaussian mechanism
+    the stream is (per participation, for cyclic Poisson sampling)."""
+
+    stream: str
+    declaration: Any
+    steps: int
+    first_sample: int
+    last_sample: int
+    noise_multiplier: float
+    sensitivity: float
+    effective_noise_multiplier: float
+
+    @property
+    def participations(self) -> int:
+        """⌈m/b⌉: the most times one record took part in the steps that ran."""
+        return self.declaration.participation.participations(self.steps)
+
+    def event(self, neighboring: str = "add_or_remove", acc: Any = None) -> Any:
+        """The stream's accountant event under ``neighboring`` (``acc``: the module whose event
+        classes to use, :mod:`dpcore.accounting` by default)."""
+        if acc is None:
+            from .. import accounting as acc
+        z = self.effective_noise_multiplier * (1.0 if check_neighboring(neighboring) == "add_or_remove" else 0.5)
+        if z == 0.0:
+            return acc.NonPrivateEvent()
+        part = self.declaration.participation
+        if part.kind == CYCLIC_POISSON:
+            return acc.SelfComposedEvent(acc.PoissonSampledEvent(part.sampling_probability, acc.GaussianEvent(z)), self.participations)
+        return acc.GaussianEvent(z)
+
+
+def account_streams(samples: Sequence[LedgerSample], path: str) -> List[StreamAccount]:
+    """The matrix-factorization streams of ``samples`` (in order of their first step), each
+    accounted as the module docstring says. Raises :class:`LedgerError` naming the sample when a
+    step lies on a sample whose policy does not match the stream's participation schema, or
+    when the steps of one stream carry different declarations."""
+    tallies: Dict[str, List[Any]] = {}  # id -> [declaration text, m, first, last, z]
+    for s, count in _runs(samples):
+        if not s.released:
+            continue
+        for sid, ts in s.stream_queries().items():
+            text = ts[0].declaration
+            if any(t.declaration != text for t in ts):
+                raise LedgerError(f"{path}: sample {s.sample}: the steps of stream {sid} carry different declarations")
+            z = effective_noise_multiplier(ts)
+            last = s.sample + count - 1
+            tally = tallies.get(sid)
+            if tally is None:
+                try:
+                    dec = _declaration(text)
+                except (TypeError, ValueError) as e:
+                    raise LedgerError(f"{path}: matrix-factorization stream {sid}: invalid declaration: {e}") from None
+                tallies[sid] = tally = [text, dec, 0, s.sample, last, math.inf]
+            elif tally[0] != text:
+                raise LedgerError(
+                    f"{path}: sample {s.sample}: stream {sid} carries another declaration than its earlier steps"
+                )
+            why = _check_stream_policy(s, sid, tally[1])
+            if why is not None:
+                raise LedgerError(f"{path}: {why}; it cannot be accounted as that stream")
+            tally[2] += count
+            tally[4] = last
+            tally[5] = min(tally[5], z)
+    out = []
+    for sid, (_, dec, m, first, last, z) in tallies.items():
+        sens = dec.sensitivity(m)
+        out.append(StreamAccount(sid, dec, m, first, last, z, sens, _down(z / sens) if z > 0 else 0.0))
+    return out
+
+
 def samples_to_event(
     samples: Sequence[LedgerSample], path: str, neighboring: str = "add_or_remove", *, stacklevel: int = 3
 ) -> Any:
     """The samples of the ledger at ``path`` as one accountant event; see
     :meth:`dpcore.ledger.PrivacyLedger.to_event`. ``stacklevel`` (as for :func:`warnings.warn`
     from here) attributes the shuffle and seed warnings; the default names the caller of
-    ``PrivacyLedger.to_event``."""
+    ``PrivacyLedger.to_event``.
+
+    The steps of matrix-factorization streams are accounted per stream
+    (:func:`account_streams`); the stream events follow the per-sample ones. Other queries on
+    ``"cyclic"`` and ``"cyclic_poisson"`` samples are accounted like shuffled ones: a bare
+    Gaussian event each, without amplification (conservative)."""
     # Looked up at call time, not imported with the module: the accountant's event classes are
     # what dpcore.accounting exports when the ledger is accounted (the ledger's tests put a
     # stand-in for that contract there to test this conversion on its own).
@@ -42,11 +176,22 @@ def samples_to_event(
     check_neighboring(neighboring)
     scale = 1.0 if neighboring == "add_or_remove" else 0.5
     events: List[Any] = []
-    shuffled = seeded = 0
+    shuffled = cyclic = seeded = 0
+
+    def add(ev: Any, count: int) -> None:
+        if events and events[-1][0] == ev:
+            events[-1][1] += count
+        else:
+            events.append([ev, count])
+
     for s, count in _runs(samples):
         if not s.released:
             continue
-        z = s.noise_multiplier() * scale
+        seeded += s.seeded * count
+        z = s.noise_multiplier()
+        if math.isinf(z):
+            continue  # every query on it is a step of a matrix-factorization stream
+        z *= scale
         # A sample with any discrete Gaussian query is one discrete Gaussian mechanism with the
         # z of Eq. (1): Gaussian groups beside it have the same Rényi curve α/(2z_g²), so the
         # product's curve is α/(2z²) either way (CKS 2020, Theorem 14).
@@ -58,19 +203,29 @@ def samples_to_event(
         elif s.policy == FIXED_SIZE:
             ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, base)
         else:
-            shuffled += count
+            if s.policy == SHUFFLE:
+                shuffled += count
+            else:
+                cyclic += count
             ev = base
-        seeded += s.seeded * count
-        if events and events[-1][0] == ev:
-            events[-1][1] += count
-        else:
-            events.append([ev, count])
+        add(ev, count)
+    for stream in account_streams(samples, path):
+        add(stream.event(neighboring, acc), 1)
     if shuffled:
         warnings.warn(
             f"{path}: {shuffled} sample(s) used the shuffle policy; they are accounted without "
             "sampling amplification (each as a full Gaussian query on the whole data set), because a "
             "shuffled epoch is not a random sample and has no tight analysis (McMahan et al. 2018, §5). "
             "Use poisson sampling to get amplification.",
+            LedgerWarning,
+            stacklevel=stacklevel,
+        )
+    if cyclic:
+        warnings.warn(
+            f"{path}: {cyclic} sample(s) of cyclic batches (the policies of matrix-factorization streams) carry "
+            "sum queries outside any stream; those queries are accounted without sampling amplification (each "
+            "as a full Gaussian query on the whole data set), because a batch of a fixed partition is not a "
+            "random sample. Release them through the stream's matrix-factorization query to account them with it.",
             LedgerWarning,
             stacklevel=stacklevel,
         )
@@ -92,6 +247,9 @@ def rdp_relation_error(samples: Sequence[LedgerSample], path: str, neighboring: 
     without replacement under replace-one only; a ledger is accounted under one relation.
     """
     policies = {s.policy for s, _ in _runs(samples) if s.released and s.noise_multiplier() > 0}
+    sampled_streams = any(
+        s.policy == CYCLIC_POISSON and s.stream_queries() for s, _ in _runs(samples) if s.released
+    )
     if neighboring == "add_or_remove" and FIXED_SIZE in policies:
         return (
             f"{path}: the ledger holds fixed_size_without_replacement samples, which the RDP "
@@ -103,5 +261,10 @@ def rdp_relation_error(samples: Sequence[LedgerSample], path: str, neighboring: 
         return (
             f"{path}: the ledger holds poisson samples, which the RDP accountant analyses only "
             "under neighboring='add_or_remove'"
+        )
+    if neighboring == "replace_one" and sampled_streams:
+        return (
+            f"{path}: the ledger holds matrix-factorization streams with cyclic Poisson sampling, which the "
+            "RDP accountant analyses only under neighboring='add_or_remove'"
         )
     return None

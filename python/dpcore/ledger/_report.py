@@ -7,6 +7,11 @@ query group, and the effective noise multiplier of Eq. (1) of McMahan et al. 201
 accounting (ε at δ under PLD with its lower bound, and RDP beside it), and the assumptions
 behind the number. Everything comes from the ledger file alone; its SHA-256 makes the report
 reproducible.
+
+Matrix-factorization streams get a section of their own: the strategy (bands or buffers), the
+participation schema, the steps run against the planned ones, the sensitivity recomputed for the
+steps run, σ/S and the effective noise multiplier σ/(S·sens) the stream is accounted with
+(:mod:`dpcore.ledger._events`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..events import effective_noise_multiplier
-from ._events import samples_to_event
-from ._storage import FIXED_SIZE, POISSON, SHUFFLE, LedgerWarning, SampleLog
+from ._events import StreamAccount, account_streams, samples_to_event
+from ._storage import CYCLIC_POISSON, LedgerWarning, SampleLog
 
 __all__ = ["PrivacyReport", "build_report", "epsilon_curve"]
 
@@ -39,6 +43,12 @@ ASSUMPTIONS = (
     "and are not in this ledger.",
     "Each record is one {unit}, and the population size is the number of records the sampler drew from.",
     "The noise and the sampling come from ChaCha20 keyed from the operating system (no test seed).",
+)
+MF_ASSUMPTION = (
+    "Matrix-factorization streams: the data pipeline followed each stream's declared participation "
+    "schema (the records cut once into b batches or groups, batch t mod b used at step t, so that one "
+    "{unit} takes part at most once every b steps). The ledger records the policy of each sample, not "
+    "which records were in it; this is what the sensitivity assumes."
 )
 
 
@@ -65,6 +75,8 @@ class PrivacyReport:
     dpcore_version: str
     warnings: Tuple[str, ...] = ()
     assumptions: Tuple[str, ...] = field(default=())
+    #: The matrix-factorization streams, one dict each (see :func:`stream_summary`).
+    streams: Tuple[Dict[str, Any], ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -80,6 +92,7 @@ class PrivacyReport:
             "releases": self.releases,
             "samples": self.samples,
             "segments": [dict(s) for s in self.segments],
+            "mf_streams": [dict(s) for s in self.streams],
             "noise_multiplier": [_num(z) for z in self.noise_multiplier],
             "effective_noise_multiplier": _num(self.effective_noise_multiplier),
             "assumptions": list(self.assumptions),
@@ -100,7 +113,10 @@ class PrivacyReport:
             ("Neighbouring relation", f"`{self.neighboring}`: " + NEIGHBORING_TEXT[self.neighboring].format(unit=unit)),
             ("Data accesses", f"{self.releases} releases from {self.samples} samples, in {len(self.segments)} segment(s)"),
             ("Noise multiplier per query group", ", ".join(_fmt(z) for z in self.noise_multiplier) or "n/a"),
-            ("Effective noise multiplier (Eq. 1)", _fmt(self.effective_noise_multiplier)),
+            (
+                "Effective noise multiplier (Eq. 1" + ("; MF streams: σ/(S·sens))" if self.streams else ")"),
+                _fmt(self.effective_noise_multiplier),
+            ),
             (f"ε at δ = {self.delta:g}", f"{_fmt(self.epsilon)} ({self.accountant}){lo}; RDP: {rdp}"),
             ("Ledger", f"`{self.ledger_path}`, SHA-256 `{self.ledger_sha256}`"),
             ("dpcore", self.dpcore_version),
@@ -111,12 +127,28 @@ class PrivacyReport:
                 "|---|---|---|---|---|---|---|---|"]
         for s in self.segments:
             rate = f"q = {s['sampling_probability']:.6g}" if s["sample_size"] is None else f"b = {s['sample_size']}"
-            clips = ", ".join(_fmt(g["l2_norm_clip"]) for g in s["groups"]) or "-"
-            zs = ", ".join(_fmt(g["noise_multiplier"]) for g in s["groups"]) or "-"
+            mf = s.get("mf_groups", [])
+            clips = ", ".join([_fmt(g["l2_norm_clip"]) for g in s["groups"]] + [_fmt(g["l2_norm_clip"]) for g in mf]) or "-"
+            zs = ", ".join(
+                [_fmt(g["noise_multiplier"]) for g in s["groups"]]
+                + [f"σ/S = {_fmt(g['stddev_over_clip'])} (MF stream {_short(g['stream'])})" for g in mf]
+            ) or "-"
+            z = s["effective_noise_multiplier"]
             out.append(
                 f"| {s['first_step']}–{s['first_step'] + s['steps'] - 1} | {s['releases']} | {s['policy']} | "
-                f"{s['population_size']} | {rate} | {clips} | {zs} | {_fmt(s['effective_noise_multiplier'])} |"
+                f"{s['population_size']} | {rate} | {clips} | {zs} | {'per stream' if z is None else _fmt(z)} |"
             )
+        if self.streams:
+            out += ["", "## Matrix-factorization streams", "",
+                    "| stream | mechanism | participation schema | steps run / planned | participations | "
+                    "sensitivity (recomputed) | σ/S (min) | effective z = σ/(S·sens) | sampling amplification |",
+                    "|---|---|---|---|---|---|---|---|---|"]
+            for m in self.streams:
+                out.append(
+                    f"| `{m['stream']}` | {m['mechanism']} | {m['participation']} | {m['steps']} / {m['planned_steps']} | "
+                    f"{m['participations']} | {_fmt(m['sensitivity'])} | {_fmt(m['noise_multiplier'])} | "
+                    f"{_fmt(m['effective_noise_multiplier'])} | {m['amplification']} |"
+                )
         out += ["", "## Assumptions", ""] + [f"- {a}" for a in self.assumptions]
         out += ["", "## Warnings", ""] + ([f"- {w}" for w in self.warnings] or ["- none"])
         return "\n".join(out) + "\n"
@@ -141,6 +173,10 @@ def _fmt(v: float) -> str:
     return "∞" if v == math.inf else f"{v:.6g}"
 
 
+def _short(stream: str) -> str:
+    return stream if len(stream) <= 12 else stream[:8] + "…"
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -159,8 +195,16 @@ def _segments(log: SampleLog) -> List[Dict[str, Any]]:
                 "stddev": q.stddev,
                 "noise_multiplier": (q.stddev / q.l2_norm_clip) if q.stddev > 0 else 0.0,
             }
-            for q in s.queries
+            for q in s.independent_queries
         ]
+        # The steps of MF streams: σ/S is not their noise multiplier (that is the stream's, over
+        # all its steps: σ/(S·sens)); it is shown as what it is.
+        mf_groups = [
+            {"stream": q.stream, "l2_norm_clip": q.l2_norm_clip, "stddev": q.stddev, "stddev_over_clip": q.stddev / q.l2_norm_clip}
+            for ts in s.stream_queries().values()
+            for q in ts
+        ]
+        z = s.noise_multiplier() if s.released else math.inf
         seg = {
             "first_step": step,
             "steps": k,
@@ -172,11 +216,14 @@ def _segments(log: SampleLog) -> List[Dict[str, Any]]:
             "seeded": k if s.seeded else 0,
             "non_private": s.non_private,
             "groups": groups,
-            "effective_noise_multiplier": s.noise_multiplier() if s.released else math.inf,
+            "mf_groups": mf_groups,
+            # None: every query on these samples is a step of an MF stream (accounted per stream).
+            "effective_noise_multiplier": None if math.isinf(z) and s.released else z,
         }
         prev = segs[-1] if segs else None
         same = prev is not None and all(
-            prev[key] == seg[key] for key in ("policy", "population_size", "sampling_probability", "sample_size", "non_private", "groups")
+            prev[key] == seg[key]
+            for key in ("policy", "population_size", "sampling_probability", "sample_size", "non_private", "groups", "mf_groups")
         )
         if same:
             prev["steps"] += k
@@ -219,9 +266,19 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
                 notes.append(msg)
     log = ledger._samples
     segs = _segments(log)
+    streams = [stream_summary(a) for a in account_streams(log, ledger.path)]
     released = [s for s in segs if s["releases"]]
-    if any(s["non_private"] or s["effective_noise_multiplier"] == 0.0 for s in released):
+    if any(s["non_private"] or s["effective_noise_multiplier"] == 0.0 for s in released) or any(
+        m["effective_noise_multiplier"] == 0.0 for m in streams
+    ):
         notes.append("some releases were made without noise (non-private): ε is infinite")
+    for m in streams:
+        if m["steps"] > m["planned_steps"]:
+            notes.append(
+                f"matrix-factorization stream {m['stream']} ran {m['steps']} steps, beyond the {m['planned_steps']} "
+                "planned: it is accounted for the steps that ran (a larger sensitivity than the one its noise was "
+                "chosen for, so a larger ε than planned)"
+            )
     if ledger.torn_tail is not None:
         notes.append(f"the ledger's last line {ledger.torn_tail.line} was torn (a step that stopped mid-write)")
     ngroups = max((len(s["groups"]) for s in released), default=0)
@@ -229,7 +286,11 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
         min((s["groups"][g]["noise_multiplier"] for s in released if len(s["groups"]) > g), default=math.inf)
         for g in range(ngroups)
     )
-    z_eff = min((s["effective_noise_multiplier"] for s in released), default=math.inf)
+    z_eff = min(
+        [s["effective_noise_multiplier"] for s in released if s["effective_noise_multiplier"] is not None]
+        + [m["effective_noise_multiplier"] for m in streams],
+        default=math.inf,
+    )
     unit = ledger.privacy_unit
     path = ledger.path
     sha = file_sha256(path) if os.path.isfile(path) else ""
@@ -250,8 +311,48 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
         ledger_sha256=sha,
         dpcore_version=__version__,
         warnings=tuple(notes),
-        assumptions=tuple(a.format(unit=unit) for a in ASSUMPTIONS),
+        assumptions=tuple(a.format(unit=unit) for a in ASSUMPTIONS + ((MF_ASSUMPTION,) if streams else ())),
+        streams=tuple(streams),
     )
+
+
+def stream_summary(account: StreamAccount) -> Dict[str, Any]:
+    """The report's entry for one matrix-factorization stream: the mechanism (strategy, its
+    bands or buffers), the participation schema, the steps run and planned, the recomputed
+    sensitivity, σ/S and the effective noise multiplier (add-or-remove), and the amplification."""
+    dec = account.declaration
+    strategy, part = dec.strategy, dec.participation
+    if part.kind == CYCLIC_POISSON:
+        amp = (
+            f"cyclic Poisson sampling at p = {part.sampling_probability:g}: {account.participations} Poisson-sampled "
+            "Gaussian participations (amplified banded MF, Choquette-Choo et al. 2023)"
+        )
+    else:
+        amp = (
+            "none needed: the whole stream is one Gaussian mechanism over fixed batches (Choquette-Choo et al. "
+            "2022, Theorem 2), accounted without sampling amplification"
+        )
+    out: Dict[str, Any] = {
+        "stream": account.stream,
+        "mechanism": strategy.describe(),
+        "strategy": strategy.to_dict(),
+        "buffers": strategy.num_buffers,
+        "participation": part.describe(),
+        "participation_schema": part.to_dict(),
+        "steps": account.steps,
+        "planned_steps": dec.steps,
+        "participations": account.participations,
+        "first_sample": account.first_sample,
+        "last_sample": account.last_sample,
+        "sensitivity": account.sensitivity,
+        "noise_multiplier": account.noise_multiplier,
+        "effective_noise_multiplier": account.effective_noise_multiplier,
+        "amplification": amp,
+    }
+    bands = getattr(strategy, "bands", None)
+    if bands is not None:
+        out["bands"] = bands
+    return out
 
 
 def epsilon_curve(

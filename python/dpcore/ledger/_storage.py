@@ -8,6 +8,7 @@ Every value is validated before anything is written; on bad input nothing is wri
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -15,14 +16,30 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _core
 from .._validate import count as _int, probability
-from ..events import ComposedQueryEvent, NonPrivateQueryEvent, SumQueryEvent, effective_noise_multiplier, is_discrete
+from ..events import (
+    MATRIX_FACTORIZATION,
+    ComposedQueryEvent,
+    NonPrivateQueryEvent,
+    SumQueryEvent,
+    check_stream_id,
+    effective_noise_multiplier,
+    is_discrete,
+    is_matrix_factorization,
+)
 
 FORMAT = "dpcore-privacy-ledger"
 VERSION = 1
 POISSON = "poisson"
 FIXED_SIZE = "fixed_size_without_replacement"
 SHUFFLE = "shuffle"
-POLICIES = (POISSON, FIXED_SIZE, SHUFFLE)
+#: Fixed batches of a partition cut once, batch t mod b at step t (matrix-factorization
+#: pipelines): ``sample_size`` is the batch's size, ``sampling_probability`` batch/population.
+CYCLIC = "cyclic"
+#: Group t mod b of a partition cut once, each of its records with probability p (amplified
+#: banded matrix factorization): ``sampling_probability`` is p.
+CYCLIC_POISSON = "cyclic_poisson"
+# Appended, never reordered: the core's fast reader numbers the first three policies.
+POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, CYCLIC, CYCLIC_POISSON)
 #: What one record of the ledger's population is (the unit of privacy, Ponomareva et al. 2023,
 #: §5.3.3): recorded in the header when a ledger is created. Ledgers written before it was
 #: recorded are example-level.
@@ -70,11 +87,33 @@ class LedgerSample:
     def released(self) -> bool:
         return bool(self.queries) or self.non_private
 
+    @property
+    def independent_queries(self) -> Tuple[SumQueryEvent, ...]:
+        """The sum queries with independent noise (all but the steps of matrix-factorization
+        streams): the ones Eq. (1) combines on this sample."""
+        if not any(is_matrix_factorization(t) for t in self.queries):
+            return self.queries
+        return tuple(t for t in self.queries if not is_matrix_factorization(t))
+
+    def stream_queries(self) -> Dict[str, Tuple[SumQueryEvent, ...]]:
+        """The steps of matrix-factorization streams released on this sample, by stream id
+        (in order of first appearance)."""
+        out: Dict[str, Tuple[SumQueryEvent, ...]] = {}
+        for t in self.queries:
+            if is_matrix_factorization(t) and t.stream is not None:
+                out[t.stream] = out.get(t.stream, ()) + (t,)
+        return out
+
     def noise_multiplier(self) -> float:
-        """z of the sample's sum queries together, Eq. (1); 0 when any release is non-private."""
+        """z of the sample's independent sum queries together, Eq. (1); 0 when any release is
+        non-private; ∞ when every query on it is a step of a matrix-factorization stream (those
+        are accounted per stream, over all their steps: :mod:`dpcore.ledger._events`)."""
         if self.non_private:
             return 0.0
-        return effective_noise_multiplier(self.queries)
+        queries = self.independent_queries
+        if not queries and self.queries:
+            return math.inf
+        return effective_noise_multiplier(queries)
 
     @property
     def discrete(self) -> bool:
@@ -116,6 +155,11 @@ def _sample_entry(
             raise ValueError(
                 f"sampling_probability {sampling_probability} differs from sample_size/population_size = {q}"
             )
+    elif policy == CYCLIC_POISSON:
+        # p is the schema's; a realised batch size says nothing about it.
+        if sampling_probability is None:
+            raise ValueError("policy cyclic_poisson needs sampling_probability (the p of each record of the group)")
+        q = _prob(sampling_probability)
     else:
         if sampling_probability is None:
             if b is None:
@@ -124,6 +168,90 @@ def _sample_entry(
         else:
             q = _prob(sampling_probability)
     return LedgerSample(sample, n, q, policy, b, seeded)
+
+
+# ----------------------------------------------------------------------------- MF streams
+
+
+def _declaration(text: Any) -> Any:
+    """The :class:`~dpcore.matrix_factorization.StreamDeclaration` of a declaration text, fully
+    checked (imported here: a ledger without matrix-factorization streams never loads it)."""
+    from ..matrix_factorization._accounting import StreamDeclaration
+
+    return StreamDeclaration.from_json(text)
+
+
+def _declaration_of_entry(obj: Dict[str, Any]) -> Any:
+    from ..matrix_factorization._accounting import StreamDeclaration
+
+    return StreamDeclaration.from_dict({k: obj[k] for k in ("strategy", "participation", "steps")})
+
+
+def _check_stream_policy(sample: LedgerSample, stream: str, declaration: Any) -> Optional[str]:
+    """Why the steps of ``stream`` cannot have been released on ``sample``, or None: its
+    sampling policy must be the one the stream's participation schema declares."""
+    part = declaration.participation
+    if sample.policy != part.kind:
+        return (
+            f"sample {sample.sample} has policy {sample.policy!r}, but matrix-factorization stream {stream} declares "
+            f"{part.kind!r} participation ({part.describe()}); its steps must be released on {part.kind!r} samples"
+        )
+    if part.kind == CYCLIC_POISSON and sample.sampling_probability != part.sampling_probability:
+        return (
+            f"sample {sample.sample} was drawn with sampling_probability {sample.sampling_probability!r}, but "
+            f"matrix-factorization stream {stream} declares p = {part.sampling_probability!r}"
+        )
+    return None
+
+
+def _stream_entries(
+    sample: LedgerSample, tuples: List[SumQueryEvent], streams: Dict[str, str]
+) -> Tuple[List[SumQueryEvent], Dict[str, str]]:
+    """The tuples to record, their declarations replaced by the canonical text of the stream
+    (the one already recorded, or the normalised new one), and the streams this release
+    declares first (id → canonical text). Raises :class:`LedgerError` for a declaration that
+    differs from the stream's recorded one, or a sample whose policy does not match it."""
+    new: Dict[str, str] = {}
+    out: List[SumQueryEvent] = []
+    for t in tuples:
+        if not is_matrix_factorization(t):
+            out.append(t)
+            continue
+        sid = t.stream
+        assert sid is not None
+        known = streams.get(sid, new.get(sid))
+        try:
+            if known is not None and t.declaration == known:  # the common case: the recorded text itself
+                dec, text = _declaration(known), known
+            else:
+                dec = _declaration(t.declaration)
+                text = dec.to_json()
+        except (TypeError, ValueError) as e:
+            raise LedgerError(f"matrix-factorization stream {sid}: invalid declaration: {e}") from None
+        if known is None:
+            new[sid] = known = text
+        elif known != text:
+            raise LedgerError(
+                f"matrix-factorization stream {sid}: the declaration changed; the ledger records {known}, this "
+                f"release declares {text}. A stream's strategy, participation schema and planned steps are fixed "
+                "(start a new query, with a new stream id, for a new schedule)"
+            )
+        why = _check_stream_policy(sample, sid, dec)
+        if why is not None:
+            raise LedgerError(why)
+        out.append(SumQueryEvent(t.l2_norm_clip, t.stddev, MATRIX_FACTORIZATION, sid, known))
+    return out, new
+
+
+def streams_of(samples: Any) -> Dict[str, str]:
+    """The matrix-factorization streams (id → canonical declaration text) of these samples."""
+    out: Dict[str, str] = {}
+    runs = samples.runs() if isinstance(samples, SampleLog) else [(s, 1) for s in samples]
+    for s, _ in runs:
+        for t in s.queries:
+            if is_matrix_factorization(t) and t.stream not in out:
+                out[t.stream] = t.declaration  # type: ignore[index,assignment]
+    return out
 
 
 def _tuples_of(event: Any) -> Tuple[List[SumQueryEvent], bool]:
@@ -137,7 +265,7 @@ def _tuples_of(event: Any) -> Tuple[List[SumQueryEvent], bool]:
             raise ValueError("event nests too deeply")
         if isinstance(e, SumQueryEvent):
             # Rebuilt so that an event mutated behind the frozen dataclass is checked again.
-            tuples.append(SumQueryEvent(e.l2_norm_clip, e.stddev, e.mechanism))
+            tuples.append(SumQueryEvent(e.l2_norm_clip, e.stddev, e.mechanism, e.stream, e.declaration))
         elif isinstance(e, NonPrivateQueryEvent):
             non_private = True
         elif isinstance(e, ComposedQueryEvent):
@@ -156,10 +284,16 @@ def _tuples_of(event: Any) -> Tuple[List[SumQueryEvent], bool]:
 
 
 def _release_entries(
-    sample: LedgerSample, tuples: List[SumQueryEvent], non_private: bool, *, with_sample: bool
+    sample: LedgerSample,
+    tuples: List[SumQueryEvent],
+    non_private: bool,
+    *,
+    with_sample: bool,
+    new_streams: Optional[Dict[str, str]] = None,
 ) -> List[Dict[str, Any]]:
     """The entries recording one release on ``sample`` (preceded by the sample's own entry on
-    its first release)."""
+    its first release, then by the ``mf_stream`` entry of each stream this release declares
+    first)."""
     entries: List[Dict[str, Any]] = []
     if with_sample:
         entries.append(
@@ -173,12 +307,19 @@ def _release_entries(
                 "seeded": sample.seeded,
             }
         )
+    for sid, text in (new_streams or {}).items():
+        d = json.loads(text)
+        entries.append(
+            {"type": "mf_stream", "stream": sid, "strategy": d["strategy"], "participation": d["participation"], "steps": d["steps"]}
+        )
     for t in tuples:
         entry = {"type": "sum_query", "sample": sample.sample, "l2_norm_clip": t.l2_norm_clip, "stddev": t.stddev}
         if t.mechanism != "gaussian":
             # Only then: a Gaussian entry keeps the format every earlier reader (and the fast
             # reader in the core) accepts.
             entry["mechanism"] = t.mechanism
+        if t.stream is not None:
+            entry["stream"] = t.stream
         entries.append(entry)
     if non_private:
         entries.append({"type": "non_private", "sample": sample.sample})
@@ -230,6 +371,8 @@ class _Contents:
     valid_bytes: int = 0  # bytes up to the end of the last complete line
     has_header: bool = False
     privacy_unit: Optional[str] = None
+    #: Matrix-factorization streams declared so far: id → canonical declaration text.
+    streams: Dict[str, str] = field(default_factory=dict)
 
 
 _SAMPLE_KEYS = ("type", "sample", "population_size", "sampling_probability", "policy", "sample_size", "seeded")
@@ -265,10 +408,18 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
                 sid, obj["population_size"], obj["sampling_probability"], obj["policy"], obj["sample_size"], obj["seeded"]
             )
             c.samples.append(s)
+        elif kind == "mf_stream":
+            _expect_keys(obj, ("type", "stream", "strategy", "participation", "steps"), lineno, path)
+            stream = check_stream_id(obj["stream"])
+            if stream in c.streams:
+                raise ValueError(f"matrix-factorization stream {stream} is declared twice")
+            c.streams[stream] = _declaration_of_entry(obj).to_json()
         elif kind in ("sum_query", "non_private"):
             keys: Tuple[str, ...] = ("type", "sample", "l2_norm_clip", "stddev") if kind == "sum_query" else ("type", "sample")
             if kind == "sum_query" and "mechanism" in obj:
                 keys += ("mechanism",)
+            if kind == "sum_query" and obj.get("mechanism") == MATRIX_FACTORIZATION:
+                keys += ("stream",)
             _expect_keys(obj, keys, lineno, path)
             sid = _int("sample", obj["sample"], 0)
             if not c.samples or sid != c.samples[-1].sample:
@@ -281,7 +432,14 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
                 mech = obj.get("mechanism", "gaussian")
                 if not isinstance(mech, str) or mech == "gaussian" and "mechanism" in obj:
                     raise ValueError(f"mechanism must be a non-default mechanism name, got {mech!r}")
-                t = SumQueryEvent(obj["l2_norm_clip"], obj["stddev"], mech)
+                mf_id: Optional[str] = None
+                declaration: Optional[str] = None
+                if mech == MATRIX_FACTORIZATION:
+                    mf_id = check_stream_id(obj["stream"])
+                    declaration = c.streams.get(mf_id)
+                    if declaration is None:
+                        raise ValueError(f"refers to matrix-factorization stream {mf_id}, which no mf_stream entry declares")
+                t = SumQueryEvent(obj["l2_norm_clip"], obj["stddev"], mech, mf_id, declaration)
                 c.samples[-1] = _replace(last, queries=last.queries + (t,))
             else:
                 c.samples[-1] = _replace(last, non_private=True)
@@ -434,13 +592,15 @@ def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Content
         counted = False
         try:
             obj = _parse_line(tail, lineno, path)
-            trial = _Contents(c.samples.copy(), None, c.lines, c.valid_bytes, c.has_header, c.privacy_unit)
+            trial = _Contents(
+                c.samples.copy(), None, c.lines, c.valid_bytes, c.has_header, c.privacy_unit, dict(c.streams)
+            )
             _apply(trial, obj, lineno, path)
         except LedgerError:
             pass
         else:
             c.samples, counted = trial.samples, True
-            c.has_header, c.privacy_unit = trial.has_header, trial.privacy_unit
+            c.has_header, c.privacy_unit, c.streams = trial.has_header, trial.privacy_unit, trial.streams
         warnings.warn(
             msg + ("; the fragment is a complete entry and is counted." if counted else "; the fragment is not counted: "
                    f"{fragment[:120]!r}"),

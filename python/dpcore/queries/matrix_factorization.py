@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..events import SumQueryEvent
+from ..matrix_factorization._accounting import stddev_for
 from ..matrix_factorization._noise import CorrelatedNoise
 from ..matrix_factorization._participation import Participation, canonical_json
 from ..matrix_factorization._strategies import BandedStrategy, BLTStrategy, ToeplitzStrategy
@@ -156,7 +157,8 @@ class MatrixFactorizationQuery(GaussianSumQuery):
             raise ValueError("give exactly one of noise_multiplier and stddev")
         if stddev is None:
             self._z = nonnegative("noise_multiplier", noise_multiplier)
-            sd = self._z * clip * self._sensitivity
+            # rounded up, so that the ledger's z = σ/(S·sens) is never below the one asked for
+            sd = stddev_for(self._z, clip, strategy, participation, self._steps)
         else:
             sd = nonnegative("stddev", stddev)
             self._z = sd / (clip * self._sensitivity)

@@ -24,9 +24,13 @@ __all__ = ["MicrobatchQuery", "scale_sensitivity"]
 
 
 def scale_sensitivity(event: Any, factor: float) -> Any:
-    """The event with every privacy tuple's L2 bound multiplied by ``factor`` (noise unchanged)."""
+    """The event with every privacy tuple's L2 bound multiplied by ``factor`` (noise unchanged).
+
+    Everything else a tuple says is kept: its mechanism (a discrete Gaussian or a matrix-
+    factorization step must not be accounted as independent continuous Gaussian noise) and, for
+    a matrix-factorization step, its stream and declaration."""
     if isinstance(event, SumQueryEvent):
-        return SumQueryEvent(event.l2_norm_clip * factor, event.stddev)
+        return dataclasses.replace(event, l2_norm_clip=event.l2_norm_clip * factor)
     if isinstance(event, ComposedQueryEvent):
         return ComposedQueryEvent(tuple(scale_sensitivity(e, factor) for e in event.events))
     if isinstance(event, NonPrivateQueryEvent):
