@@ -26,7 +26,7 @@ from .._validate import real as _real
 from ..queries.base import derive_seed
 from ..sampling import poisson_sample
 
-__all__ = ["PoissonBatches"]
+__all__ = ["PoissonBatches", "CyclicBatches"]
 
 
 def _leading(name: str, tree: Any) -> int:
@@ -114,6 +114,125 @@ class PoissonBatches(tf.keras.utils.PyDataset):
         if not 0 <= index < self._steps:
             raise IndexError(f"batch {index} out of range for {self._steps} steps")
         return poisson_sample(self._n, self._q, seed=derive_seed(self._seed, index))
+
+    def __getitem__(self, index: int) -> Any:
+        idx = self.indices(index)
+        take = lambda a: a[idx]  # noqa: E731
+        out = [tf.nest.map_structure(take, self._x)]
+        if self._y is not None or self._sw is not None:
+            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+        if self._sw is not None:
+            out.append(tf.nest.map_structure(take, self._sw))
+        return tuple(out)
+
+
+class CyclicBatches(tf.keras.utils.PyDataset):
+    """Cyclic batches of ``(x, y[, sample_weight])`` for matrix-factorization noise
+    (``DPModel(noise_mechanism=...)``): batch i of every epoch is batch (group) i of a partition
+    cut once from a ChaCha20 shuffle (:class:`dpcore.sampling.CyclicBatches`; keyed from the
+    OS, ``seed`` for tests only).
+
+    * ``batch_size``: b = n // batch_size fixed batches of exactly ``batch_size`` records; the
+      n mod batch_size records left over are never trained on (:attr:`dropped`).
+    * ``participation``: a cyclic Poisson :class:`~dpcore.matrix_factorization.Participation`
+      (b groups, probability p) instead: batch i samples group i (each record with probability
+      p, fresh from the OS at every call; seeded: the same sample for batch i in every epoch).
+
+    Like :class:`PoissonBatches` it writes nothing to the ledger: the DP train step records each
+    sample right before its release. Every epoch must run all b batches in order (``fit``
+    refuses ``steps_per_epoch`` other than b), so that release t trains on batch t mod b.
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        batch_size: Optional[int] = None,
+        participation: Any = None,
+        seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        from ..matrix_factorization._participation import Participation
+        from ..sampling import CyclicBatches as _Fixed, CyclicPoissonSampler
+
+        super().__init__(**kwargs)
+        self._x = tf.nest.map_structure(np.asarray, x)
+        self._y = None if y is None else tf.nest.map_structure(np.asarray, y)
+        self._sw = None if sample_weight is None else tf.nest.map_structure(np.asarray, sample_weight)
+        n = _leading("x", self._x)
+        for name, part in (("y", self._y), ("sample_weight", self._sw)):
+            if part is not None and _leading(name, part) != n:
+                raise ValueError(f"{name} has {_leading(name, part)} records but x has {n}")
+        if n < 1:
+            raise ValueError("x holds no record")
+        if participation is not None and not isinstance(participation, Participation):
+            raise TypeError(f"participation must be a Participation, got {type(participation).__name__}")
+        if participation is not None and participation.kind == "cyclic_poisson":
+            if batch_size is not None:
+                raise ValueError("batch_size has no role with cyclic Poisson sampling (the expected batch is p·n/b)")
+            self._sampler: Any = CyclicPoissonSampler(
+                n, participation.min_separation, participation.sampling_probability, seed=seed  # type: ignore[arg-type]
+            )
+        else:
+            if batch_size is None:
+                if participation is None:
+                    raise TypeError("CyclicBatches needs batch_size (fixed batches) or a cyclic Poisson participation")
+                batch_size = n // participation.min_separation if participation.min_separation <= n else n + 1
+            self._sampler = _Fixed(n, batch_size, seed=seed)
+            if participation is not None and participation.min_separation != self._sampler.steps_per_epoch:
+                raise ValueError(
+                    f"participation declares {participation.min_separation} batches per epoch, but {n} records in "
+                    f"batches of {batch_size} make {self._sampler.steps_per_epoch}"
+                )
+        self._seed = seed
+
+    @property
+    def sampler(self) -> Any:
+        """The :mod:`dpcore.sampling` sampler holding the partition."""
+        return self._sampler
+
+    @property
+    def population_size(self) -> int:
+        return self._sampler.population_size
+
+    @property
+    def participation(self) -> Any:
+        return self._sampler.participation
+
+    @property
+    def policy(self) -> str:
+        return self._sampler.kind
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        return getattr(self._sampler, "batch_size", None)
+
+    @property
+    def sampling_probability(self) -> float:
+        return self._sampler.sampling_probability
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self._sampler.expected_batch_size
+
+    @property
+    def dropped(self) -> int:
+        return int(getattr(self._sampler, "dropped", 0))
+
+    @property
+    def seeded(self) -> bool:
+        return self._seed is not None
+
+    def __len__(self) -> int:
+        return self._sampler.steps_per_epoch
+
+    def indices(self, index: int) -> np.ndarray:
+        """The record indices of batch ``index`` (group ``index`` of the partition)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch {index} out of range for {len(self)} batches")
+        return self._sampler._indices(index)
 
     def __getitem__(self, index: int) -> Any:
         idx = self.indices(index)

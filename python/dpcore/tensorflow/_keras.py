@@ -30,7 +30,7 @@ from .._names import renamed
 from ..ledger import LedgerWarning, PrivacyLedger
 from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
 from ..queries.base import derive_seed
-from ._data import PoissonBatches
+from ._data import CyclicBatches, PoissonBatches
 from .._validate import count, positive as _number
 
 __all__ = ["DPModel", "make_private", "CLIPPING"]
@@ -54,6 +54,7 @@ class _Sampling:
     sampling_probability: float
     policy: str
     seeded: bool = False
+    sample_size: Optional[int] = None
 
 
 class _Spec:
@@ -96,6 +97,18 @@ class DPModel(keras.Model):
     * ``optimizer``: used by :meth:`compile` when it is given none.
     * ``seed``: tests only (release k's noise comes from ``derive_seed(seed, k)``; no privacy).
 
+    Matrix-factorization (correlated) noise: ``noise_mechanism="blt"``, ``"banded"`` or
+    ``"independent"`` with ``epochs`` (the planned epochs), ``population_size`` n and
+    ``batch_size`` (b = n // batch_size fixed batches) or ``participation`` (a cyclic Poisson
+    :class:`~dpcore.matrix_factorization.Participation`), and optionally ``strategy``
+    (otherwise :func:`dpcore.matrix_factorization.strategy_for` optimises one for epochs·b
+    steps). ``noise_multiplier`` is then the *effective* one (σ = z·C·sens(C)); flat clipping
+    only. ``fit`` must be given a :class:`CyclicBatches` of the same partition parameters, runs
+    its b batches in order (``shuffle`` is forced off; ``steps_per_epoch`` must be b), and a
+    ``fit`` stopped in the middle of an epoch cannot be continued (the cycle and the noise
+    stream would no longer be aligned). Each release is recorded as a ``"cyclic"`` (or
+    ``"cyclic_poisson"``) sample and the ledger holds the stream.
+
     Sampling, recorded per release from what ``fit`` is given: a :class:`PoissonBatches` →
     policy ``poisson`` (n, q), amplified by sampling; in-memory arrays with ``batch_size`` (its
     default: round(q·n)) → policy ``shuffle``, accounted without amplification (a shuffled
@@ -124,9 +137,27 @@ class DPModel(keras.Model):
         optimizer: Any = None,
         seed: Optional[int] = None,
         l2_norm_clip: Any = None,
+        noise_mechanism: Optional[str] = None,
+        strategy: Any = None,
+        epochs: Optional[int] = None,
+        participation: Any = None,
+        batch_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         l2_norm_clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
+        mf_cfg = None
+        if noise_mechanism is not None:
+            mf_cfg = _mf_config(
+                noise_mechanism, strategy=strategy, epochs=epochs, participation=participation, batch_size=batch_size,
+                population_size=population_size, sampling_probability=sampling_probability,
+                expected_batch_size=expected_batch_size, clipping=clipping,
+            )
+            expected_batch_size = mf_cfg["denominator"]
+        elif any(v is not None for v in (strategy, epochs, participation, batch_size)):
+            raise ValueError(
+                "strategy, epochs, participation and batch_size configure matrix-factorization noise: give "
+                "noise_mechanism='banded', 'blt' or 'independent' with them"
+            )
         if not isinstance(model, keras.Model):
             raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
         if clipping not in CLIPPING:
@@ -176,7 +207,7 @@ class DPModel(keras.Model):
             noise_multiplier=z, l2_norm_clip=clips, expected_batch_size=den, population_size=n,
             sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
             _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
-            _global_state=None, _template=None, _grad_fn=None,
+            _global_state=None, _template=None, _grad_fn=None, _mf=mf_cfg,
         ).items():
             object.__setattr__(self, k, v)
 
@@ -201,7 +232,11 @@ class DPModel(keras.Model):
             raise ValueError("no optimizer: give one to compile() or to make_private()")
         super().compile(optimizer=optimizer, loss=loss, run_eagerly=True, **kwargs)
         # Trainable flags may have changed: rebuild the per-record pass and the query's template
-        # (the Gaussian queries' global state is constant, so nothing is lost).
+        # (the Gaussian queries' global state is constant, so nothing is lost). A matrix-
+        # factorization stream is not rebuilt once it has released: its noise buffers are its history.
+        if self._mf is not None and self._releases:
+            object.__setattr__(self, "_grad_fn", None)
+            return
         for k in ("_grad_fn", "_query", "_global_state", "_template"):
             object.__setattr__(self, k, None)
 
@@ -211,7 +246,12 @@ class DPModel(keras.Model):
         bound.apply_defaults()
         a = bound.arguments
         x = a["x"]
-        if isinstance(x, PoissonBatches):
+        if self._mf is not None:
+            sampling = self._mf_sampling(x, a, kwargs)
+            bound.arguments["shuffle"] = False  # the cycle's order: batch i of every epoch is batch i
+        elif isinstance(x, CyclicBatches):
+            raise TypeError("CyclicBatches are for matrix-factorization noise: build the DPModel with noise_mechanism=")
+        elif isinstance(x, PoissonBatches):
             if not math.isclose(x.expected_batch_size, self.expected_batch_size, rel_tol=1e-9):
                 raise ValueError(
                     f"PoissonBatches has q·n = {x.expected_batch_size} but this DPModel divides by "
@@ -243,6 +283,44 @@ class DPModel(keras.Model):
             return super().fit(*bound.args[1:], **bound.kwargs)
         finally:
             object.__setattr__(self, "_sampling", None)
+
+    def _mf_sampling(self, x: Any, a: Any, kwargs: Any) -> "_Sampling":
+        cfg = self._mf
+        part = cfg["participation"]
+        if not isinstance(x, CyclicBatches):
+            raise TypeError(
+                f"fit() got a {type(x).__name__}; a DPModel with matrix-factorization noise trains on a "
+                "dpcore.tensorflow.CyclicBatches (the fixed cyclic order its noise's sensitivity assumes)"
+            )
+        xp = x.participation
+        if (xp.kind, xp.min_separation, xp.sampling_probability) != (part.kind, part.min_separation, part.sampling_probability) or (
+            x.population_size != cfg["population_size"]
+        ):
+            raise ValueError(
+                f"the CyclicBatches follow {xp.describe()} over {x.population_size} records, but this DPModel's noise "
+                f"was planned for {part.describe()} over {cfg['population_size']}"
+            )
+        if kwargs.get("shuffle") is True:
+            raise ValueError("shuffle=True would reorder the cyclic batches every epoch; leave it out")
+        b = part.min_separation
+        if a.get("steps_per_epoch") not in (None, b):
+            raise ValueError(f"steps_per_epoch must be the {b} batches of the cycle (or None)")
+        if self._releases % b:
+            raise RuntimeError(
+                f"a previous fit() stopped after {self._releases} releases, in the middle of an epoch of {b} batches: "
+                "the cycle and the matrix-factorization noise stream are no longer aligned; start a new DPModel "
+                "(with a new ledger or the same one) instead"
+            )
+        if self._releases >= cfg["steps"] or self._releases + b * (int(a.get("epochs") or 1) - int(a.get("initial_epoch") or 0)) > cfg["steps"]:
+            warnings.warn(
+                f"this fit() runs past the {cfg['steps']} steps the matrix-factorization noise was planned for: the "
+                "ledger accounts the steps actually run (ε grows faster than planned)",
+                UserWarning,
+                stacklevel=3,
+            )
+        if x.policy == "cyclic":
+            return _Sampling(x.population_size, x.sampling_probability, "cyclic", x.seeded, x.batch_size)
+        return _Sampling(x.population_size, x.sampling_probability, "cyclic_poisson", x.seeded)
 
     def _warn_shuffle(self, what: str) -> None:
         warnings.warn(
@@ -279,8 +357,16 @@ class DPModel(keras.Model):
         if not variables:
             raise ValueError("the model has no trainable variable (build it first, e.g. with keras.Input)")
         m, z, den = len(variables), self.noise_multiplier, self.expected_batch_size
-        if self.clipping == "flat":
-            query: Any = GaussianAverageQuery(self.l2_norm_clip, z * self.l2_norm_clip, den)
+        if self._mf is not None:
+            from ..queries import MatrixFactorizationQuery
+
+            cfg = self._mf
+            query: Any = MatrixFactorizationQuery(
+                self.l2_norm_clip, z, strategy=cfg["strategy"], participation=cfg["participation"], steps=cfg["steps"],
+                denominator=den,
+            )
+        elif self.clipping == "flat":
+            query = GaussianAverageQuery(self.l2_norm_clip, z * self.l2_norm_clip, den)
         else:
             if isinstance(self.l2_norm_clip, list):
                 if len(self.l2_norm_clip) != m:
@@ -356,7 +442,8 @@ class DPModel(keras.Model):
             losses.append(loss)
             preds.append(y_pred)
         self.ledger.record_sample(
-            sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded
+            sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
+            sample_size=sampling.sample_size,
         )
         result, new_gs, event = q.get_noised_result(state, gs, seed=derive_seed(self._seed, self._releases))
         self.ledger.record_release(event)  # durable before the update (McMahan et al. 2018, §6)
@@ -374,6 +461,60 @@ class DPModel(keras.Model):
         if self._loss_tracker is not None:
             self._loss_tracker.update_state(tf.reduce_mean(loss), sample_weight=b)
         return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+
+def _mf_config(
+    noise_mechanism: str, *, strategy: Any, epochs: Any, participation: Any, batch_size: Any, population_size: Any,
+    sampling_probability: Any, expected_batch_size: Any, clipping: str,
+) -> dict:
+    """The plan of a DPModel with matrix-factorization noise: participation (max_participations
+    = epochs), steps = epochs·b, strategy, the fixed denominator, n."""
+    from ..matrix_factorization import NOISE_MECHANISMS, Participation, strategy_for
+
+    if noise_mechanism not in NOISE_MECHANISMS:
+        raise ValueError(f"noise_mechanism must be one of {NOISE_MECHANISMS} (or None for DP-SGD), got {noise_mechanism!r}")
+    if clipping != "flat":
+        raise ValueError("matrix-factorization noise supports flat clipping only")
+    if epochs is None:
+        raise TypeError(f"noise_mechanism={noise_mechanism!r} needs epochs= (the noise is planned for epochs × b steps)")
+    epochs = count("epochs", epochs, 1)
+    if population_size is None:
+        raise TypeError("noise_mechanism needs population_size (the records cut into the cycle's batches)")
+    n = count("population_size", population_size, 1)
+    if sampling_probability is not None:
+        raise ValueError("sampling_probability is for Poisson batches; with noise_mechanism give batch_size or participation")
+    if participation is not None and not isinstance(participation, Participation):
+        raise TypeError(f"participation must be a Participation, got {type(participation).__name__}")
+    if participation is not None and participation.kind == "cyclic_poisson":
+        if batch_size is not None:
+            raise ValueError("batch_size has no role with cyclic Poisson sampling (the expected batch is p·n/b)")
+        b = participation.min_separation
+        if b > n:
+            raise ValueError(f"participation has {b} groups but population_size is {n}")
+        p = float(participation.sampling_probability)  # type: ignore[arg-type]
+        part, den = Participation(b, epochs, p), p * n / b
+    else:
+        if batch_size is None:
+            if participation is None:
+                raise TypeError("noise_mechanism needs batch_size (fixed batches) or participation")
+            batch_size = n // participation.min_separation
+        bs = count("batch_size", batch_size, 1)
+        if bs > n:
+            raise ValueError(f"batch_size {bs} is larger than population_size {n}: not even one fixed batch")
+        b = n // bs
+        if participation is not None and participation.min_separation != b:
+            raise ValueError(
+                f"participation declares {participation.min_separation} batches per epoch, but {n} records in batches "
+                f"of {bs} make {b} (b = n // batch_size)"
+            )
+        part, den = Participation(b, epochs), float(bs)
+    if expected_batch_size is not None and not math.isclose(float(expected_batch_size), den, rel_tol=1e-9):
+        raise ValueError(f"expected_batch_size {expected_batch_size} differs from the cycle's batch ({den})")
+    steps = epochs * b
+    return {
+        "participation": part, "steps": steps, "strategy": strategy_for(noise_mechanism, part, steps, strategy),
+        "denominator": den, "population_size": n,
+    }
 
 
 def _num_records(x: Any) -> int:
@@ -397,6 +538,11 @@ def make_private(
     max_physical_batch_size: Optional[int] = None,
     seed: Optional[int] = None,
     l2_norm_clip: Any = None,
+    noise_mechanism: Optional[str] = None,
+    strategy: Any = None,
+    epochs: Optional[int] = None,
+    participation: Any = None,
+    batch_size: Optional[int] = None,
 ) -> DPModel:
     """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
     (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
@@ -410,6 +556,14 @@ def make_private(
     ``optimizer`` is what ``compile`` uses (any Keras optimizer: the noised average gradient
     goes through its update rule). See :class:`DPModel` for the other parameters. ``model``
     itself is trained in place (the wrapper shares its variables).
+
+    Matrix-factorization noise (``noise_mechanism``, ``strategy``, ``epochs``,
+    ``participation``, ``batch_size``; see :class:`DPModel`)::
+
+        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.0, max_grad_norm=1.0,
+                          noise_mechanism="blt", epochs=5, population_size=len(x), batch_size=64)
+        dp.compile(loss=...)
+        dp.fit(CyclicBatches(x, y, batch_size=64), epochs=5)
     """
     return DPModel(
         model,
@@ -423,6 +577,11 @@ def make_private(
         max_physical_batch_size=max_physical_batch_size,
         optimizer=optimizer,
         seed=seed,
+        noise_mechanism=noise_mechanism,
+        strategy=strategy,
+        epochs=epochs,
+        participation=participation,
+        batch_size=batch_size,
     )
 
 
@@ -435,7 +594,7 @@ def make_private_with_epsilon(
     epochs: int,
     max_grad_norm: Any = None,
     population_size: int,
-    sampling_probability: float,
+    sampling_probability: Optional[float] = None,
     accountant: str = "pld",
     l2_norm_clip: Any = None,
     **kwargs: Any,
@@ -445,11 +604,35 @@ def make_private_with_epsilon(
     (``target_epsilon``, ``target_delta``)-DP under ``accountant`` (default "pld";
     :func:`dpcore.accounting.calibrate_noise_multiplier`, Abadi et al. 2016 Algorithm 1). The
     chosen σ is ``dp_model.noise_multiplier`` when the model exposes it, and is always the one
-    the ledger records."""
+    the ledger records.
+
+    With ``noise_mechanism=`` (and ``batch_size`` or ``participation``; no
+    ``sampling_probability``) the *effective* noise multiplier of the matrix-factorization run
+    is calibrated for its epochs·b planned steps
+    (:func:`dpcore.matrix_factorization.calibrate_noise_multiplier`)."""
     from .. import accounting
 
     clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
     epochs = count("epochs", epochs, 1)
+    if kwargs.get("noise_mechanism") is not None:
+        from ..matrix_factorization import calibrate_noise_multiplier as mf_calibrate
+
+        plan = _mf_config(
+            kwargs["noise_mechanism"], strategy=kwargs.get("strategy"), epochs=epochs,
+            participation=kwargs.get("participation"), batch_size=kwargs.get("batch_size"),
+            population_size=population_size, sampling_probability=sampling_probability,
+            expected_batch_size=kwargs.get("expected_batch_size"), clipping=kwargs.get("clipping", "flat"),
+        )
+        z = mf_calibrate(
+            target_epsilon, target_delta, participation=plan["participation"], steps=plan["steps"], accountant=accountant
+        )
+        kwargs["strategy"] = plan["strategy"]  # optimised once
+        return make_private(
+            model, optimizer, noise_multiplier=z, max_grad_norm=clip, population_size=population_size, epochs=epochs,
+            **kwargs,
+        )
+    if sampling_probability is None:
+        raise TypeError("make_private_with_epsilon needs sampling_probability (or noise_mechanism=)")
     q = float(sampling_probability)
     if not 0.0 < q <= 1.0:
         raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability}")

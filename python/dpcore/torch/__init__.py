@@ -14,6 +14,15 @@ al. 2018)::
 ``make_private_with_epsilon(..., target_epsilon=, target_delta=, epochs=)`` picks the noise multiplier
 instead, as Opacus's function of the same name.
 
+Correlated noise (DP-FTRL, banded and BLT matrix factorization; Choquette-Choo et al. 2022, arXiv
+2211.06530; 2023, arXiv 2306.08153; McMahan et al. 2024, arXiv 2408.08868)::
+
+    model, optimizer, loader = dpcore.torch.make_private(
+        model, optimizer, loader, noise_mechanism="blt", epochs=20, noise_multiplier=1.0, max_grad_norm=1.0)
+
+trains over cyclic fixed batches (:class:`CyclicDataLoader`) with the noise of a strategy
+optimised for the planned steps; see :func:`make_private`.
+
 Per-record gradients: each layer type has a rule (``_rules.py``; :func:`register_layer` adds
 one): factored norms and clipped sums for ``nn.Linear``, ``nn.Embedding``, attention projections
 and recurrent weights (Goodfellow 2015; ghost norms of Li et al. 2022, mixed with materialised
@@ -33,17 +42,21 @@ from torch.utils.data import DataLoader
 
 from .._validate import count
 from ..ledger import PrivacyLedger
+from ._cyclic import CyclicDataLoader, FixedOrderLoader
 from ._data import DPDataLoader
 from ._distributed import DistributedError, current_communicator, resolve_ledger
 from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin, replace_batchnorm
 from ._rules import LayerRule, register_layer
-from ._optimizer import DPOptimizer, OverflowSkipWarning
+from ._optimizer import DPOptimizer, OverflowSkipWarning, PlannedStepsWarning
 
 __all__ = [
     "make_private",
     "make_private_with_epsilon",
     "DPOptimizer",
     "DPDataLoader",
+    "CyclicDataLoader",
+    "FixedOrderLoader",
+    "PlannedStepsWarning",
     "PerRecordGradients",
     "FallbackWarning",
     "OverflowSkipWarning",
@@ -71,11 +84,16 @@ def make_private(
     loss_reduction: str = "mean",
     grad_sample_mode: str = "auto",
     batch_first: bool = True,
-    poisson_sampling: bool = True,
+    poisson_sampling: Optional[bool] = None,
     mechanism: str = "gaussian",
     granularity: Optional[float] = None,
     grad_scaler: Any = None,
     seed: Optional[int] = None,
+    noise_mechanism: Optional[str] = None,
+    strategy: Any = None,
+    epochs: Optional[int] = None,
+    participation: Any = None,
+    keep_loader: bool = False,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
 
@@ -131,9 +149,66 @@ def make_private(
     ``model`` may be plain or wrapped in ``DistributedDataParallel``. Pass the ledger's path (the
     same on every rank): rank 0 opens the file and writes it; the other ranks keep an in-memory
     replica, so ``optimizer.get_epsilon`` answers on every rank. Noise is added once, by rank 0.
+
+    **Correlated noise** (``noise_mechanism="banded"``, ``"blt"`` or ``"independent"``;
+    ``poisson_sampling`` defaults to True only when ``noise_mechanism`` is not given, and the
+    path above is unchanged then). A matrix-factorization (MF) mechanism adds σ·(C⁻¹z)_t at step
+    t for a Toeplitz strategy C (:mod:`dpcore.matrix_factorization`); it needs no random
+    sampling but a fixed, cyclic data order, and ``epochs`` (required) plans its
+    steps = epochs × b:
+
+    * the data order (default, recommended): the loader becomes a :class:`CyclicDataLoader`:
+      the dataset is shuffled **once** (ChaCha20) and cut into b = n // batch_size fixed batches
+      of the DataLoader's ``batch_size``; the n mod batch_size records left over are **never
+      trained on** (``loader.dropped``); step t uses batch t mod b, in the same order every
+      epoch. ``poisson_sampling=True`` with ``participation=Participation.cyclic_poisson(b,
+      p)``: cyclic Poisson sampling (amplified banded MF: b groups, each record of group
+      t mod b with probability p at step t; the average's denominator is p·n/b).
+      ``keep_loader=True``: the DataLoader's own batches, kept, if its order provably repeats
+      every epoch (``shuffle=False`` over a map-style dataset); b = len(data_loader).
+    * the strategy: ``strategy=`` (a :class:`~dpcore.matrix_factorization.BandedStrategy` or
+      :class:`~dpcore.matrix_factorization.BLTStrategy`), else
+      :func:`dpcore.matrix_factorization.optimize` for the planned steps and the loader's
+      participation schema (``"blt"``: 4 buffers; ``"banded"``: min(b, steps, 64) bands).
+      ``"independent"`` is C = I: DP-SGD over the cyclic fixed batches, accounted honestly
+      (no amplification: the whole run is one Gaussian mechanism at z).
+    * ``noise_multiplier`` is the **effective** one: σ = z·C·sens(C) with sens(C) the
+      strategy's sensitivity over the planned steps, so ε depends on z (and, for cyclic Poisson
+      sampling, on p and the epochs), not on the strategy. Flat clipping only. The optimizer
+      (``optimizer.noise_multiplier`` = z) draws each release's correlated noise from the
+      stream in float32 (float64 for float64 parameters), holding num_buffers·d values of
+      state (``optimizer.noise_state_nbytes``), saved in its ``state_dict`` with the loader's
+      cyclic position and permutation key: a resumed run continues the same cycle and stream.
+    * refused (ValueError): ``keep_loader=True`` with a loader that reshuffles every epoch (or
+      whose order cannot be checked); ``"blt"``, or more bands than b, with cyclic Poisson
+      sampling; a ``strategy`` that is not the mechanism's kind, or a ``participation`` that
+      does not match the data order; ``query=``, per-layer or joint clipping, the discrete
+      Gaussian, a GradScaler, data-parallel training. Training past the planned steps works
+      (the ledger accounts what ran) with a :class:`PlannedStepsWarning`, once. Every batch the
+      loader yields must be stepped: a skipped batch would shift the cycle against the noise
+      stream, and the next release is refused.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    if noise_mechanism is not None:
+        return _make_private_mf(
+            model, optimizer, data_loader, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+            query=query, ledger=ledger, clipping=clipping, joint_scales=joint_scales,
+            max_physical_batch_size=max_physical_batch_size, loss_reduction=loss_reduction,
+            grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
+            mechanism=mechanism, granularity=granularity, grad_scaler=grad_scaler, seed=seed,
+            noise_mechanism=noise_mechanism, strategy=strategy, epochs=epochs, participation=participation,
+            keep_loader=keep_loader,
+        )
+    given = [k for k, v in (("strategy", strategy), ("epochs", epochs), ("participation", participation)) if v is not None]
+    if keep_loader:
+        given.append("keep_loader")
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} configure matrix-factorization noise: give noise_mechanism='banded', 'blt' or "
+            "'independent' with them"
+        )
+    poisson_sampling = True if poisson_sampling is None else bool(poisson_sampling)
     comm = current_communicator()
     if comm is not None and not poisson_sampling:
         raise ValueError(
@@ -259,6 +334,62 @@ class _ShuffledLoader:
         self._resume_at = self._epoch_done
 
 
+def _make_private_mf(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader, *, noise_multiplier: Any,
+    max_grad_norm: Any, query: Any, ledger: Any, clipping: str, joint_scales: Any, max_physical_batch_size: Any,
+    loss_reduction: str, grad_sample_mode: str, batch_first: bool, poisson_sampling: Optional[bool], mechanism: str,
+    granularity: Any, grad_scaler: Any, seed: Any, noise_mechanism: str, strategy: Any, epochs: Any,
+    participation: Any, keep_loader: bool,
+) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
+    from ..queries import MatrixFactorizationQuery
+    from ._mf import choose_strategy, schedule
+
+    if query is not None:
+        raise ValueError(
+            "give either query= or noise_mechanism=: noise_mechanism builds its own MatrixFactorizationQuery (for a "
+            "query of your own, pass it with a CyclicDataLoader to DPOptimizer)"
+        )
+    if clipping != "flat" or joint_scales is not None:
+        raise ValueError("matrix-factorization noise supports flat clipping only (clipping='flat')")
+    if mechanism != "gaussian" or granularity is not None:
+        raise ValueError("matrix-factorization noise is Gaussian: mechanism='discrete_gaussian' cannot be combined with it")
+    if grad_scaler is not None:
+        raise ValueError(
+            "grad_scaler with matrix-factorization noise: a step skipped for an overflow would leave a batch of the "
+            "cycle unreleased; train with bfloat16 autocast (no scaler needed) instead"
+        )
+    if current_communicator() is not None:
+        raise NotImplementedError("matrix-factorization noise is not supported under torch.distributed yet")
+    if noise_multiplier is None or max_grad_norm is None:
+        raise TypeError("noise_mechanism needs noise_multiplier (the effective one) and max_grad_norm")
+    if keep_loader and max_physical_batch_size is not None:
+        raise ValueError("max_physical_batch_size needs dpcore's cyclic loader (keep_loader=False)")
+    sched = schedule(
+        data_loader, noise_mechanism=noise_mechanism, epochs=epochs, participation=participation,
+        poisson_sampling=poisson_sampling, keep_loader=keep_loader,
+    )
+    strat = choose_strategy(noise_mechanism, strategy, sched)
+    ledger = resolve_ledger(ledger, None)
+    loader: Any
+    if sched.order == "keep":
+        loader = FixedOrderLoader(data_loader, ledger)
+    else:
+        loader = CyclicDataLoader.from_data_loader(
+            data_loader, ledger=ledger, participation=sched.participation if sched.order == "poisson" else None,
+            max_physical_batch_size=max_physical_batch_size, seed=seed,
+        )
+    q = MatrixFactorizationQuery(
+        max_grad_norm, noise_multiplier, strategy=strat, participation=sched.participation, steps=sched.steps,
+        denominator=loader.expected_batch_size,
+    )
+    opt = DPOptimizer(
+        optimizer, model=model, query=q, expected_batch_size=loader.expected_batch_size, ledger=ledger,
+        loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
+        data_loader=loader, seed=seed,
+    )
+    return model, opt, loader
+
+
 def _calibrated_noise(target_epsilon: Any, target_delta: Any, epochs: Any, q: float, accountant: str) -> Tuple[float, int]:
     """(σ, steps) for ``epochs`` expected passes of round(1/q) Poisson steps each."""
     from .. import accounting
@@ -287,7 +418,13 @@ def make_private_with_epsilon(
     ``target_delta``)-DP under ``accountant`` (default "pld", the tightest:
     :func:`dpcore.accounting.calibrate_noise_multiplier`, which never overshoots the target).
     The chosen σ is ``optimizer.noise_multiplier``. Training longer than ``epochs`` spends more
-    than the target; ``optimizer.get_epsilon(delta)`` always reports what was spent."""
+    than the target; ``optimizer.get_epsilon(delta)`` always reports what was spent.
+
+    With ``noise_mechanism=`` (see :func:`make_private`) the *effective* noise multiplier is
+    calibrated for the planned epochs × b steps of the data order
+    (:func:`dpcore.matrix_factorization.calibrate_noise_multiplier`: one Gaussian mechanism for
+    cyclic fixed batches; ⌈steps/b⌉ Poisson-subsampled Gaussian steps at p for cyclic Poisson
+    sampling)."""
     if kwargs.get("mechanism", "gaussian") != "gaussian":
         # The calibration solves the Gaussian's accounting; the discrete Gaussian's (a looser RDP
         # bound, and a larger sensitivity after rounding) would overshoot the target.
@@ -297,6 +434,23 @@ def make_private_with_epsilon(
         )
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    if kwargs.get("noise_mechanism") is not None:
+        from ..matrix_factorization import calibrate_noise_multiplier as mf_calibrate
+        from ._mf import schedule
+
+        if "noise_multiplier" in kwargs:
+            raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
+        sched = schedule(
+            data_loader, noise_mechanism=kwargs["noise_mechanism"], epochs=epochs,
+            participation=kwargs.get("participation"), poisson_sampling=kwargs.get("poisson_sampling"),
+            keep_loader=kwargs.get("keep_loader", False),
+        )
+        z = mf_calibrate(
+            target_epsilon, target_delta, participation=sched.participation, steps=sched.steps, accountant=accountant
+        )
+        return make_private(
+            model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, epochs=epochs, **kwargs
+        )
     if data_loader.batch_size is None:
         raise ValueError("data_loader has no batch_size to derive the sampling probability from")
     q = min(1.0, data_loader.batch_size / len(data_loader.dataset))  # type: ignore[arg-type]

@@ -7,7 +7,11 @@ plain Python types (dicts, lists, str, int, float, bool, None) and tensors only,
 ``optimizer.pt``). The ``dpcore`` part carries what the DP step needs to continue exactly where
 it stopped: the release count (the noise and the adaptive clip's seeds of a seeded run derive
 from it), each query group's global state (adaptive clipping's current clip norm), the data
-loader's position, and the ledger's path and length at the checkpoint.
+loader's position, and the ledger's path and length at the checkpoint. A matrix-factorization
+query's global state carries its stream id, step and noise buffers (CPU tensors), and a cyclic
+loader's state the key of its permutation, so that a resumed run continues the same noise stream
+over the same cycle; a ledger ahead of such a checkpoint is refused even with ``"keep"`` (the
+lost releases used steps of the stream that the checkpoint cannot replay).
 
 Loading checks everything before it changes anything. The ledger is the safety check: it must be
 the same file, holding exactly the releases the checkpoint saw. Fewer means the ledger was
@@ -41,9 +45,60 @@ def check_ledger_ahead(value: Any) -> str:
 # -- global states: frozen dataclasses of floats, as plain values ----------------------------
 
 
+def _encode_noise_stream(x: Any) -> Dict[str, Any]:
+    """A matrix-factorization query's noise buffers: its strategy, step, and each part's
+    generator state, the buffers as CPU tensors (num_buffers·size values each, copied)."""
+    import torch
+
+    parts = []
+    for k in sorted(x.parts):
+        d = x.parts[k].state_dict()
+        parts.append({
+            "part": int(k), "size": int(d["size"]), "dtype": str(d["dtype"]), "step": int(d["step"]),
+            "state": torch.from_numpy(d["state"]),
+        })
+    return {"class": "NoiseStream", "strategy": x.strategy.to_dict(), "step": int(x.step), "parts": parts}
+
+
+def _decode_noise_stream(enc: Any, template: Any, where: str) -> Any:
+    import numpy as np
+    import torch
+
+    from ..queries.matrix_factorization import NoiseStream
+
+    if not isinstance(enc, dict) or enc.get("class") != "NoiseStream":
+        got = enc.get("class") if isinstance(enc, dict) else type(enc).__name__
+        raise ValueError(f"{where}: the checkpoint holds a {got}, this query's noise state is a NoiseStream")
+    if enc.get("strategy") != template.strategy.to_dict():
+        raise ValueError(
+            f"{where}: the checkpoint's noise stream has strategy {enc.get('strategy')}, this query "
+            f"{template.strategy.to_dict()}"
+        )
+    parts = {}
+    try:
+        for p in enc["parts"]:
+            st = p["state"]
+            arr = st.detach().cpu().numpy().copy() if isinstance(st, torch.Tensor) else np.asarray(st)
+            parts[int(p["part"])] = {
+                "strategy": enc["strategy"], "size": p["size"], "dtype": p["dtype"], "step": p["step"], "state": arr,
+            }
+        out = NoiseStream(template.strategy)
+        out.load_state_dict({"step": enc["step"], "parts": parts})
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where}: not a noise stream state ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return out
+
+
 def encode_state(x: Any) -> Any:
     """A query's global state (a dataclass of floats, ints, str, None and nested such values)
-    as plain Python values, with each dataclass's class name."""
+    as plain Python values, with each dataclass's class name. A matrix-factorization query's
+    noise buffers (a ``NoiseStream``) are stored as CPU tensors beside its strategy and step."""
+    from ..queries.matrix_factorization import NoiseStream
+
+    if isinstance(x, NoiseStream):
+        return _encode_noise_stream(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return {"class": type(x).__name__, "fields": {f.name: encode_state(getattr(x, f.name)) for f in dataclasses.fields(x)}}
     if x is None or isinstance(x, (bool, int, float, str)):
@@ -56,6 +111,10 @@ def encode_state(x: Any) -> Any:
 def decode_state(enc: Any, template: Any, where: str) -> Any:
     """The inverse of :func:`encode_state`, rebuilt with the classes of ``template`` (the query's
     ``initial_global_state()``, or the value in the same place of it)."""
+    from ..queries.matrix_factorization import NoiseStream
+
+    if isinstance(template, NoiseStream):
+        return _decode_noise_stream(enc, template, where)
     if dataclasses.is_dataclass(template) and not isinstance(template, type):
         cls = type(template)
         if not isinstance(enc, dict) or enc.get("class") != cls.__name__:
@@ -253,7 +312,15 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
     releases, drawn = int(dp["releases"]), int(dp["drawn_at_release"])
     if releases < 0 or drawn < 0:
         raise ValueError("the checkpoint's release and sample counts must be non-negative")
-    _check_ledger(opt, dp.get("ledger") or {}, how)
+    ahead = _check_ledger(opt, dp.get("ledger") or {}, how)
+    if ahead and getattr(opt, "_mf_groups", None):
+        raise LedgerError(
+            f"{opt.ledger.path}: the ledger holds {ahead} release(s) more than the checkpoint saw, and this optimizer "
+            "adds matrix-factorization (correlated) noise: those releases used steps of the noise stream and batches "
+            "of the cycle that the checkpoint does not hold, so resuming from it would replay them with other noise, "
+            "which the stream's accounting does not cover. Resume from a later checkpoint (take one after every "
+            "release), or start a new run with a new ledger"
+        )
     # Everything checked: load. The wrapped optimizer checks its own state first, then sets it.
     opt.original_optimizer.load_state_dict(inner)
     for g, gs in zip(opt._groups, states):

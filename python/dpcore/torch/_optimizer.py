@@ -31,20 +31,30 @@ from ..queries import (
 )
 from ..queries.base import derive_seed
 from ..queries.events import ComposedQueryEvent
+from ..queries.matrix_factorization import MatrixFactorizationQuery
 from ..queries.microbatch import scale_sensitivity
 from ._distributed import DistributedError, current_communicator, flat_views, resolve_ledger, unwrap_ddp
 from ._amp import work_dtype
 from ._engine import PerRecordGradients, clip_factors, clip_margin
 from .._validate import positive as _positive
 
-__all__ = ["DPOptimizer", "OverflowSkipWarning"]
+__all__ = ["DPOptimizer", "OverflowSkipWarning", "PlannedStepsWarning"]
 
 CLIPPING = ("flat", "per_layer", "joint")
+#: Mechanisms whose release is (clipped sum + noise)/denominator with the denominator folded
+#: into the clip factors and the noise (the discrete Gaussian divides after rounding instead).
+_DIVIDED = ("gaussian", "matrix_factorization")
+_MF = "matrix_factorization"
 
 
 class OverflowSkipWarning(UserWarning):
     """A step was skipped because the GradScaler found an overflow: nothing was released or
     recorded (see :meth:`DPOptimizer.attach_grad_scaler`)."""
+
+
+class PlannedStepsWarning(UserWarning):
+    """A matrix-factorization stream ran past the steps its strategy and noise were planned
+    for: the ledger accounts the steps actually run (ε grows faster than planned)."""
 
 
 class _Overflow(Exception):
@@ -112,6 +122,17 @@ class DPOptimizer(torch.optim.Optimizer):
 
     Call ``loss.backward()`` then :meth:`step` for every (micro-)batch; an empty Poisson batch
     must be stepped too (it releases pure noise).
+
+    Matrix-factorization (correlated) noise: a group whose query is a
+    :class:`~dpcore.queries.MatrixFactorizationQuery` (``make_private(...,
+    noise_mechanism=...)``) gets σ·(C⁻¹z)_t at release t, member j of the group being part j of
+    the query's noise stream. The stream advances once per release, only after the release's
+    ledger entry is durable (its noise is drawn on a worker thread while the clipped sums are
+    formed, never ahead of its release), in float32 for float32/bfloat16/float16 parameters
+    (float64 for float64 ones); its buffers (:attr:`noise_state_nbytes`) are in
+    :meth:`state_dict`. With a cyclic loader each release must be the loader's next batch (a
+    batch drawn and not stepped makes the next release raise); a failed release whose ledger
+    entry stands still advances the stream, keeping stream, ledger and cycle aligned.
 
     Checkpoints: :meth:`state_dict` carries the DP state (release count, the queries' global
     states, the data loader's position, the ledger's path and length) beside the wrapped
@@ -233,11 +254,22 @@ class DPOptimizer(torch.optim.Optimizer):
             self._groups = [_Group(inner, list(range(m)), self._dim(range(m)))]
         for g in self._groups:
             plan = g.plan()  # a query that cannot release a caller-formed sum says so now
+            if plan.mechanism == _MF and self._comm is not None:
+                raise NotImplementedError(
+                    "matrix-factorization (correlated) noise is not supported with data-parallel training yet"
+                )
             if plan.mechanism != "gaussian" and self._comm is not None:
                 raise NotImplementedError(
                     "mechanism='discrete_gaussian' is not supported with data-parallel training yet: the ranks' "
                     "sums would have to be rounded and noised after the all-reduce"
                 )
+        self._mf_groups = [gi for gi, g in enumerate(self._groups) if g.plan().mechanism == _MF]
+        if self._mf_groups:
+            self._check_mf_loader()
+            if len(self._mf_groups) == 1 and isinstance(self._groups[self._mf_groups[0]].query, MatrixFactorizationQuery):
+                # the effective noise multiplier z = σ/(C·sens): what make_private_with_epsilon calibrates
+                self.noise_multiplier = self._groups[self._mf_groups[0]].query.noise_multiplier
+        self._mf_warned = False
         self._pending: Optional[List[Tuple[ReleasePlan, Any]]] = None
         self._margins = [
             clip_margin(sum(self._params[k].numel() for k in g.members), work_dtype(self._params[g.members[0]].dtype))
@@ -250,6 +282,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._noise_worker: Optional[ThreadPoolExecutor] = None
         self._next_noise: Optional[Tuple[int, List[List[float]], Future]] = None
         self._ledger_worker: Optional[ThreadPoolExecutor] = None
+        self._mf_worker: Optional[ThreadPoolExecutor] = None
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -271,6 +304,21 @@ class DPOptimizer(torch.optim.Optimizer):
         self.grad_scaler: Any = None
         if grad_scaler is not None:
             self.attach_grad_scaler(grad_scaler)
+
+    def _check_mf_loader(self) -> None:
+        """A matrix-factorization query's participation schema must be the data loader's (when
+        the loader declares one: dpcore's cyclic loaders)."""
+        dl = self.data_loader
+        lp = getattr(dl, "participation", None)
+        for gi in self._mf_groups:
+            qp = getattr(self._groups[gi].query, "participation", None)
+            if lp is None or qp is None:
+                continue
+            if (qp.kind, qp.min_separation, qp.sampling_probability) != (lp.kind, lp.min_separation, lp.sampling_probability):
+                raise ValueError(
+                    f"the matrix-factorization query declares {qp.describe()}, but the data loader follows "
+                    f"{lp.describe()}: the noise's sensitivity would not hold for the batches trained on"
+                )
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -365,7 +413,7 @@ class DPOptimizer(torch.optim.Optimizer):
             # 1/denominator folded into the factors (and the noise): the release is one add. A
             # discrete release rounds the undivided sum onto its grid, so it divides afterwards.
             c = clip_factors(tot, plan.l2_norm_clip, margin)
-            if plan.mechanism == "gaussian":
+            if plan.mechanism in _DIVIDED:
                 c = c / plan.denominator
             for k in g.members:
                 factors[k] = c
@@ -492,6 +540,115 @@ class DPOptimizer(torch.optim.Optimizer):
                 acc = self._acc[k]
                 self._acc[k] = z if acc is None else acc.add_(z)
 
+    # -- matrix-factorization (correlated) noise ------------------------------------------
+
+    def _check_mf_step(self, drawn: Optional[int]) -> None:
+        """Before a release of a matrix-factorization stream: the loader's batch must be the
+        stream's step (every batch of the cycle released, in order), and past the planned steps
+        a warning (once)."""
+        cyclic = getattr(self.data_loader, "participation", None) is not None
+        for gi in self._mf_groups:
+            g = self._groups[gi]
+            step = int(getattr(g.gs, "step", 0))
+            if cyclic and drawn is not None and drawn != step + 1:
+                self.engine.clear()
+                raise RuntimeError(
+                    f"the cyclic loader has drawn {drawn} batches but the matrix-factorization noise stream is at step "
+                    f"{step}: every batch of the cycle must be released, in order (a batch was drawn and not stepped, "
+                    "or discarded). The noise stream and the cycle must stay aligned for the noise's sensitivity to "
+                    "hold; resume from a checkpoint"
+                )
+            planned = getattr(g.query, "steps", None)
+            if planned is not None and step >= planned and not self._mf_warned:
+                self._mf_warned = True
+                warnings.warn(
+                    f"training past the {planned} steps the matrix-factorization noise was planned for (its strategy "
+                    "and noise multiplier): the ledger accounts the steps actually run, and ε grows faster from here "
+                    "than planned",
+                    PlannedStepsWarning,
+                    stacklevel=3,
+                )
+
+    def _mf_open(self) -> Dict[int, List[Any]]:
+        """The matrix-factorization releases of this step: group → [global state after the
+        plan, parts drawn, done]."""
+        assert self._pending is not None
+        return {gi: [self._pending[gi][1], set(), False] for gi in self._mf_groups}
+
+    def _mf_start(self, write: Future, mf: Dict[int, List[Any]]) -> Future:
+        """Starts drawing this release's correlated noise on a worker thread, so that the core's
+        generator runs while torch forms the clipped sums (the values are the same either way).
+
+        The worker first waits for the ledger entry: the stream never advances for a step the
+        ledger does not count (an unrecorded step would shift the cycle's participations against
+        the noise). Nothing is drawn ahead of its release: the stream's state advances only
+        here, once per release, so checkpoints and resumes see exactly the released steps."""
+        if self._mf_worker is None:
+            self._mf_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-mf-noise")
+        step = self._releases
+        plans = {gi: self._pending[gi][0] for gi in mf}  # type: ignore[index]
+
+        def draw() -> Dict[int, List[np.ndarray]]:
+            write.result()
+            out: Dict[int, List[np.ndarray]] = {}
+            for gi, st in mf.items():
+                g, plan, gs = self._groups[gi], plans[gi], st[0]
+                row = []
+                for j, k in enumerate(g.members):
+                    p = self._params[k]
+                    sd = plan.part_stddevs[j] / plan.denominator
+                    dt = np.float64 if work_dtype(p.dtype) == torch.float64 else np.float32
+                    row.append(g.query.draw_noise(gs, j, p.numel(), dt, sd, seed=derive_seed(self._seed, step, gi, j)))
+                    st[1].add(j)
+                out[gi] = row
+            return out
+
+        return self._mf_worker.submit(draw)
+
+    @torch.no_grad()
+    def _mf_noise(self, drawing: Future, mf: Dict[int, List[Any]]) -> None:
+        """Adds each MF group's correlated noise σ·(C⁻¹z)_t/denominator to its released sums
+        (in the work dtype: float32 accumulators for float32, bfloat16 and float16 parameters),
+        then closes the stream's step."""
+        noise = drawing.result()
+        assert self._pending is not None
+        for gi, st in mf.items():
+            g = self._groups[gi]
+            plan, gs = self._pending[gi]
+            for k, z in zip(g.members, noise[gi]):
+                p = self._params[k]
+                t = torch.from_numpy(z).view(p.shape).to(device=p.device, dtype=work_dtype(p.dtype), non_blocking=True)
+                acc = self._acc[k]
+                self._acc[k] = t if acc is None else acc.add_(t)
+            self._pending[gi] = (plan, g.query.finish_release(gs))
+            st[2] = True
+
+    def _mf_settle(self, drawing: Optional[Future], mf: Dict[int, List[Any]]) -> None:
+        """After a failed release whose ledger entry stands: every MF stream still advances one
+        step (its remaining parts drawn and dropped), so that the stream, the ledger and the
+        cycle stay aligned. Nothing is released."""
+        if drawing is not None:
+            try:
+                drawing.result()
+            except BaseException:
+                pass  # the parts it drew are in mf; the others are drawn here
+        for gi, (gs, drawn, done) in mf.items():
+            g = self._groups[gi]
+            if not done:
+                for j, k in enumerate(g.members):
+                    if j not in drawn:
+                        p = self._params[k]
+                        dt = np.float64 if work_dtype(p.dtype) == torch.float64 else np.float32
+                        g.query.draw_noise(gs, j, p.numel(), dt, 0.0)
+                gs = g.query.finish_release(gs)
+            g.gs, g.ns = gs, g.query.initial_norm_state()
+
+    @property
+    def noise_state_nbytes(self) -> int:
+        """Bytes of correlated-noise state held (the MF streams' buffers; 0 without MF noise):
+        num_buffers·d values of the work dtype per stream."""
+        return sum(int(self._groups[gi].gs.noise.state_nbytes) for gi in self._mf_groups)
+
     @torch.no_grad()
     def _discrete_noise(self) -> None:
         """The discrete Gaussian groups' release (Canonne, Kamath & Steinke 2020): each part's
@@ -500,7 +657,7 @@ class DPOptimizer(torch.optim.Optimizer):
         device in the parameters' float type, like the Gaussian one; the recorded sensitivity
         c + √d grid steps covers rounding it, not that float summation."""
         for gi, (g, plan) in enumerate(zip(self._groups, self._plans())):
-            if plan.mechanism == "gaussian":
+            if plan.mechanism != "discrete_gaussian":
                 continue
             sums = []
             for k in g.members:
@@ -567,6 +724,12 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         if self._comm is not None:
             raise NotImplementedError("grad_scaler with data-parallel training is not supported yet")
+        if getattr(self, "_mf_groups", None):
+            raise ValueError(
+                "grad_scaler with matrix-factorization noise: a step skipped for an overflow would leave a batch of the "
+                "cycle unreleased and break the noise stream's alignment with it; train with bfloat16 autocast "
+                "(no scaler needed) instead"
+            )
         self.grad_scaler = grad_scaler
 
     def _scaling(self) -> bool:
@@ -643,6 +806,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 "no new Poisson sample since the last release: call step() once per (micro-)batch that the "
                 "DPDataLoader yields, never twice for one batch"
             )
+        if releasing and self._mf_groups:
+            self._check_mf_step(drawn)
         if self._comm is not None and releasing:
             try:
                 b, factors = self._clip_factors()
@@ -673,7 +838,9 @@ class DPOptimizer(torch.optim.Optimizer):
             # The queries' plans for this release: noise, event, and their next global states
             # (adaptive clipping draws its count's noise here), committed only once released.
             self._pending = self._noised_plans([g.ns for g in self._groups])
+            mf = self._mf_open()
             write = self._start_ledger_write()
+            drawing = self._mf_start(write, mf) if mf else None
             try:
                 try:
                     self._add_noise()
@@ -683,12 +850,15 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._accumulate(b, factors)
                 try:
                     self._discrete_noise()
+                    if drawing is not None:
+                        self._mf_noise(drawing, mf)
                 except BaseException:
                     self._discard()
                     raise
             except BaseException:
                 self._pending = None
                 write.result()  # the entry stands (over-counting is the safe side); surface the error
+                self._mf_settle(drawing, mf)  # ... and the noise stream advances with it
                 raise
             self._release(write)
         if drawn is not None:
