@@ -261,8 +261,10 @@ class MatrixFactorizationQuery(GaussianSumQuery):
         """The plan of the next release for a caller that forms the clipped sum: it must add
         ``plan.part_stddevs[j]``·w_t from :meth:`draw_noise` (never independent noise) to part j."""
         gs = _global(global_state)
+        return self._plan(gs, num_parts, gs.stream or "unassigned")
+
+    def _plan(self, gs: MatrixFactorizationGlobalState, num_parts: int, stream: str) -> ReleasePlan:
         check_parts(num_parts)
-        stream = gs.stream or "unassigned"
         return ReleasePlan(
             l2_norm_clip=gs.l2_norm_clip,
             part_scales=(1.0,) * num_parts,
@@ -283,17 +285,7 @@ class MatrixFactorizationQuery(GaussianSumQuery):
         part's noise with :meth:`draw_noise` (the global state passed here, parts 0…num_parts−1,
         each once) and then calls :meth:`finish_release`."""
         gs, stream = self._open(_global(global_state))
-        check_parts(num_parts)
-        plan = ReleasePlan(
-            l2_norm_clip=gs.l2_norm_clip,
-            part_scales=(1.0,) * num_parts,
-            part_stddevs=(gs.stddev,) * num_parts,
-            denominator=self._den,
-            event=self._event(gs, gs.l2_norm_clip, stream),
-            mechanism=MECHANISM,
-            noise_multiplier=self._z,
-        )
-        return plan, replace(gs, stream=stream)
+        return self._plan(gs, num_parts, stream), replace(gs, stream=stream)
 
     def draw_noise(
         self, global_state: Any, part: int, size: int, dtype: Any, stddev: float, *, seed: Optional[int] = None,

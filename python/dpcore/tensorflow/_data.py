@@ -43,6 +43,20 @@ def _leading(name: str, tree: Any) -> int:
     return sizes.pop()
 
 
+def _records(x: Any, y: Any, sample_weight: Any) -> Any:
+    """(x, y, sample_weight) as numpy nests with one leading record axis, and the record count."""
+    x = tf.nest.map_structure(np.asarray, x)
+    y = None if y is None else tf.nest.map_structure(np.asarray, y)
+    sw = None if sample_weight is None else tf.nest.map_structure(np.asarray, sample_weight)
+    n = _leading("x", x)
+    for name, part in (("y", y), ("sample_weight", sw)):
+        if part is not None and _leading(name, part) != n:
+            raise ValueError(f"{name} has {_leading(name, part)} records but x has {n}")
+    if n < 1:
+        raise ValueError("x holds no record")
+    return x, y, sw, n
+
+
 class PoissonBatches(tf.keras.utils.PyDataset):
     """``steps`` Poisson samples per epoch of ``(x, y[, sample_weight])`` at rate q.
 
@@ -69,15 +83,7 @@ class PoissonBatches(tf.keras.utils.PyDataset):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._x = tf.nest.map_structure(np.asarray, x)
-        self._y = None if y is None else tf.nest.map_structure(np.asarray, y)
-        self._sw = None if sample_weight is None else tf.nest.map_structure(np.asarray, sample_weight)
-        n = _leading("x", self._x)
-        for name, part in (("y", self._y), ("sample_weight", self._sw)):
-            if part is not None and _leading(name, part) != n:
-                raise ValueError(f"{name} has {_leading(name, part)} records but x has {n}")
-        if n < 1:
-            raise ValueError("x holds no record")
+        self._x, self._y, self._sw, n = _records(x, y, sample_weight)
         if (sampling_probability is None) == (expected_batch_size is None):
             raise ValueError("give exactly one of sampling_probability and expected_batch_size")
         if sampling_probability is None:
@@ -158,15 +164,7 @@ class CyclicBatches(tf.keras.utils.PyDataset):
         from ..sampling import CyclicBatches as _Fixed, CyclicPoissonSampler
 
         super().__init__(**kwargs)
-        self._x = tf.nest.map_structure(np.asarray, x)
-        self._y = None if y is None else tf.nest.map_structure(np.asarray, y)
-        self._sw = None if sample_weight is None else tf.nest.map_structure(np.asarray, sample_weight)
-        n = _leading("x", self._x)
-        for name, part in (("y", self._y), ("sample_weight", self._sw)):
-            if part is not None and _leading(name, part) != n:
-                raise ValueError(f"{name} has {_leading(name, part)} records but x has {n}")
-        if n < 1:
-            raise ValueError("x holds no record")
+        self._x, self._y, self._sw, n = _records(x, y, sample_weight)
         if participation is not None and not isinstance(participation, Participation):
             raise TypeError(f"participation must be a Participation, got {type(participation).__name__}")
         if participation is not None and participation.kind == "cyclic_poisson":

@@ -26,7 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from ..matrix_factorization._participation import Participation
 from ..sampling import CyclicBatches, CyclicPoissonSampler
-from ._data import _take_none
+from ._data import _take_none, physical_batches
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["CyclicDataLoader", "FixedOrderLoader", "check_fixed_order"]
@@ -178,13 +178,7 @@ class CyclicDataLoader:
         end = (s.position // s.steps_per_epoch + 1) * s.steps_per_epoch
         while s.position < end:
             idx = s.draw()  # recorded in the ledger; written with its release
-            m = self.max_physical_batch_size
-            chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]
-            for k, c in enumerate(chunks):
-                self.logical_batch_complete = k == len(chunks) - 1
-                self.last_indices = c
-                yield self._fetch(c)
-            self.logical_batch_complete = True
+            yield from physical_batches(self, idx)
 
     # -- checkpoints --------------------------------------------------------------------
 

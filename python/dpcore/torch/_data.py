@@ -158,13 +158,7 @@ class DPDataLoader:
             self.samples_drawn += 1
             self._pass_done += 1
             self._resume_at = None  # a resumed position is consumed by the pass that runs now
-            m = self.max_physical_batch_size
-            chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]
-            for k, c in enumerate(chunks):
-                self.logical_batch_complete = k == len(chunks) - 1
-                self.last_indices = c
-                yield self._fetch(c)
-            self.logical_batch_complete = True
+            yield from physical_batches(self, idx)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -222,6 +216,19 @@ class DPDataLoader:
         self._pass_done = int(state["pass_position"])
         self._resume_at = self._pass_done
         self.logical_batch_complete = True
+
+
+def physical_batches(loader: Any, idx: np.ndarray) -> Iterator[Any]:
+    """The batches of one logical sample ``idx``, cut at ``loader.max_physical_batch_size``
+    records; ``loader.logical_batch_complete`` is True on the last one (the optimizer releases
+    then), and ``loader.last_indices`` holds the records of the batch just yielded."""
+    m = loader.max_physical_batch_size
+    chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]
+    for k, c in enumerate(chunks):
+        loader.logical_batch_complete = k == len(chunks) - 1
+        loader.last_indices = c
+        yield loader._fetch(c)
+    loader.logical_batch_complete = True
 
 
 def _take_none(batch: Any) -> Any:
