@@ -165,3 +165,28 @@ def test_the_recorded_noise_multiplier_is_never_below_the_one_asked_for():
         _, _, ev = q.get_noised_result(q.initial_sample_state(np.zeros(2)), q.initial_global_state())
         sens = StreamDeclaration.from_json(ev.declaration).sensitivity(20)
         assert ev.stddev / (ev.l2_norm_clip * sens) >= z
+
+
+@pytest.mark.parametrize("strategy", [BLT, BANDED], ids=["blt", "banded"])
+def test_draw_ahead_then_commit_equals_the_fused_step(strategy):
+    """draw() computes w_t from the released steps' state without changing it; commit() then
+    advances the state: the same noise and state as next()."""
+    d = 3000
+    fused, split = CorrelatedNoise(strategy, d, np.float64), CorrelatedNoise(strategy, d, np.float64)
+    for t in range(6):
+        a = fused.next(seed=50 + t)
+        before = split.state_dict()
+        w = split.draw(seed=50 + t)
+        mid = split.state_dict()
+        assert mid["step"] == t and np.array_equal(mid["state"], before["state"])
+        if t == 2:  # a redraw replaces the pending draw; only the last one is committed
+            w = split.draw(seed=50 + t)
+        split.commit()
+        assert np.array_equal(a, w)
+        assert np.array_equal(fused.state_dict()["state"], split.state_dict()["state"])
+    with pytest.raises(ValueError, match="not drawn"):
+        split.commit()
+    split.draw(seed=1)
+    fused.next(seed=2)
+    saved = split.state_dict()  # a pending draw is not part of the state
+    assert saved["step"] == 6

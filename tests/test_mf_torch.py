@@ -368,6 +368,7 @@ def strip(samples, stream):
 
 
 def noise_state(opt):
+    opt.state_dict()  # waits for the last release's buffer update (it runs behind the ledger write)
     return [(k, g.step, g.state_dict()["state"].copy()) for k, g in sorted(opt._groups[0].gs.noise.parts.items())]
 
 

@@ -20,6 +20,8 @@ __all__ = [
     "fixed_size_sample",
     "ledger_scan",
     "mf_noise",
+    "mf_unit_noise",
+    "mf_advance",
     "pld_epsilon_bounds",
     "pld_delta_bounds",
     "rdp_poisson_subsampled_gaussian",
@@ -121,10 +123,37 @@ def mf_noise(
     sum: Optional[npt.NDArray[np.float64]] = None,
     denominator: float = 1.0,
     seed: Optional[int] = None,
+    fresh: Optional[np.ndarray] = None,
     parallel: bool = True,
 ) -> np.ndarray:
     """Step `step` of a matrix-factorization mechanism's correlated noise: `(sum + stddev·(C⁻¹z)_step)
-    / denominator` in the state's dtype, advancing `state` (dim × state values per coordinate) in place."""
+    / denominator` in the state's dtype, advancing `state` (dim × state values per coordinate) in place;
+    `fresh`: z drawn ahead, in the state's dtype."""
+def mf_unit_noise(
+    kind: str,
+    coefficients: List[float],
+    theta: List[float],
+    omega: List[float],
+    state: np.ndarray,
+    dim: int,
+    step: int,
+    seed: Optional[int] = None,
+    fresh: Optional[np.ndarray] = None,
+    parallel: bool = True,
+) -> np.ndarray:
+    """The unit noise (C⁻¹z)_step without advancing `state` (read only)."""
+def mf_advance(
+    kind: str,
+    coefficients: List[float],
+    theta: List[float],
+    omega: List[float],
+    state: np.ndarray,
+    dim: int,
+    step: int,
+    w: np.ndarray,
+    parallel: bool = True,
+) -> None:
+    """Advances `state` in place past step `step` with that step's unit noise `w`."""
 def poisson_sample(n: int, q: float, seed: Optional[int] = None) -> npt.NDArray[np.uint64]:
     """Sorted indices of a Poisson sample (uint64)."""
 def ledger_scan(

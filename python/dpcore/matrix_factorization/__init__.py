@@ -77,7 +77,7 @@ def strategy_for(mechanism: str, participation: Participation, steps: int, strat
     steps under ``participation``: ``strategy`` checked against the mechanism, or optimised
     (:func:`optimize`). ``"independent"`` is C = I (DP-SGD; only :data:`IDENTITY` may be
     given); ``"banded"`` a :class:`BandedStrategy` (default :func:`default_bands` bands);
-    ``"blt"`` a :class:`BLTStrategy` (4 buffers), refused with cyclic Poisson sampling, as is a
+    ``"blt"`` a :class:`BLTStrategy` (:data:`DEFAULT_BUFFERS` buffers), refused with cyclic Poisson sampling, as is a
     banded strategy with more bands than ``min_separation`` there (amplified banded MF,
     Choquette-Choo et al. 2023)."""
     if mechanism not in NOISE_MECHANISMS:

@@ -9,7 +9,7 @@ banded C, or the buffers of a BLT; McMahan et al. 2024, arXiv 2408.08868, §2), 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class CorrelatedNoise:
         self._dtype = dt
         self._state = np.zeros(self._size * strategy.num_buffers, dt)
         self._step = 0
+        # (step, w) drawn by draw() and not yet committed: noise drawn ahead, which a commit
+        # turns into the step's release; dropped (never used) by next(), a load or a redraw.
+        self._drawn: Optional[Tuple[int, np.ndarray]] = None
         if isinstance(strategy, BandedStrategy):
             self._args = ("banded", strategy.band_coefficients.tolist(), [], [])
         else:
@@ -80,11 +83,16 @@ class CorrelatedNoise:
         sum: Optional[np.ndarray] = None,
         denominator: float = 1.0,
         seed: Optional[int] = None,
+        fresh: Optional[np.ndarray] = None,
         parallel: bool = True,
     ) -> np.ndarray:
         """``(sum + stddev·w_t) / denominator`` for the current step t (flat, in the state's
         dtype), then t ← t + 1. On any error the state and t are unchanged. ``seed``: tests only,
-        and a different one per step (the same seed twice repeats z)."""
+        and a different one per step (the same seed twice repeats z).
+
+        ``fresh``: step t's standard normal z, drawn ahead (:func:`dpcore.gaussian_noise` with
+        stddev 1 in the state's dtype, e.g. on a worker thread while the step's sum is formed);
+        the core then only runs the recursion. It must be fresh noise used for this step only."""
         sd = nonnegative("stddev", stddev)
         den = positive("denominator", denominator)
         s = None
@@ -94,15 +102,63 @@ class CorrelatedNoise:
                 raise ValueError(f"sum has {s.size} values, the noise has {self._size}")
             if not np.all(np.isfinite(s)):
                 raise ValueError("sum holds a NaN or infinite value")
+        z = self._fresh(fresh, seed)
         kind, c, th, om = self._args
-        out = _core.mf_noise(kind, c, th, om, self._state, self._size, self._step, sd, s, den, _seed(seed), parallel)
+        out = _core.mf_noise(kind, c, th, om, self._state, self._size, self._step, sd, s, den, _seed(seed), z, parallel)
         self._step += 1
+        self._drawn = None
         return out
+
+    def draw(self, *, seed: Optional[int] = None, fresh: Optional[np.ndarray] = None, parallel: bool = True) -> np.ndarray:
+        """The current step's unit noise w_t = (C⁻¹z)_t (flat, read-only), WITHOUT advancing
+        the state: :meth:`commit` advances it once the release that uses w_t is recorded. The
+        two halves let w_t be computed ahead of its release (it depends on no data) while the
+        state only ever holds released steps. A later draw before the commit replaces this one
+        (whose noise is then never used). The caller must not modify w before the commit."""
+        z = self._fresh(fresh, seed)
+        kind, c, th, om = self._args
+        w = _core.mf_unit_noise(kind, c, th, om, self._state, self._size, self._step, _seed(seed), z, parallel)
+        self._drawn = (self._step, w)
+        return w
+
+    def commit(self, *, draw_next: bool = False, seed: Optional[int] = None, parallel: bool = True) -> Optional[np.ndarray]:
+        """Advances the state past the current step with the w of :meth:`draw`. With
+        ``draw_next``, also draws the next step's w in the same pass over the state (as
+        :meth:`draw` would, ``seed`` for tests only) and returns it."""
+        if self._drawn is None or self._drawn[0] != self._step:
+            raise ValueError(f"step {self._step} of the correlated noise was not drawn: call draw() first")
+        kind, c, th, om = self._args
+        w = self._drawn[1]
+        if not draw_next:
+            _core.mf_advance(kind, c, th, om, self._state, self._size, self._step, w, parallel)
+            self._step += 1
+            self._drawn = None
+            return None
+        nxt = _core.mf_advance_and_draw(kind, c, th, om, self._state, self._size, self._step, w, _seed(seed), parallel)
+        self._step += 1
+        self._drawn = (self._step, nxt)
+        return nxt
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the current step's w was drawn (and not yet committed)."""
+        return self._drawn is not None and self._drawn[0] == self._step
+
+    def _fresh(self, fresh: Optional[np.ndarray], seed: Any) -> Optional[np.ndarray]:
+        if fresh is None:
+            return None
+        if seed is not None:
+            raise ValueError("give seed or fresh, not both (fresh noise carries its own randomness)")
+        z = np.ascontiguousarray(fresh).ravel()
+        if z.dtype != self._dtype or z.size != self._size:
+            raise ValueError(f"fresh must hold {self._size} values of {self._dtype}, got {z.size} of {z.dtype}")
+        return z
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """What resuming needs: the strategy, size, dtype, step and a copy of the buffers."""
+        """What resuming needs: the strategy, size, dtype, step and a copy of the buffers (of the
+        released steps only: a draw not committed is noise drawn ahead, never saved)."""
         return {
             "strategy": self._strategy.to_dict(),
             "size": self._size,

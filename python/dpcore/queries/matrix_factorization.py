@@ -70,15 +70,39 @@ class NoiseStream:
 
     def draw(
         self, step: int, part: int, size: int, dtype: Any, stddev: float, *, sum: Optional[np.ndarray] = None,
-        denominator: float = 1.0, seed: Optional[int] = None, parallel: bool = True,
+        denominator: float = 1.0, seed: Optional[int] = None, fresh: Optional[np.ndarray] = None,
+        parallel: bool = True,
     ) -> np.ndarray:
-        """Part ``part``'s release at ``step`` (which must be the stream's current step)."""
+        """Part ``part``'s release at ``step`` (which must be the stream's current step);
+        ``fresh``: its z drawn ahead (see :meth:`CorrelatedNoise.next`)."""
         if step != self.step:
             raise ValueError(f"the noise stream is at step {self.step}, not {step}: a stale global state was used")
         g = self.generator(part, size, dtype)
         if g.step != step:
             raise ValueError(f"part {part} of the noise stream was already drawn at step {step}")
-        return g.next(stddev, sum=sum, denominator=denominator, seed=seed, parallel=parallel)
+        return g.next(stddev, sum=sum, denominator=denominator, seed=seed, fresh=fresh, parallel=parallel)
+
+    def draw_unit(
+        self, step: int, part: int, size: int, dtype: Any, *, seed: Optional[int] = None,
+        fresh: Optional[np.ndarray] = None, parallel: bool = True,
+    ) -> np.ndarray:
+        """Part ``part``'s unit noise w at ``step`` without advancing its buffers
+        (:meth:`CorrelatedNoise.draw`); :meth:`commit` advances them once the release is recorded."""
+        if step != self.step:
+            raise ValueError(f"the noise stream is at step {self.step}, not {step}: a stale global state was used")
+        g = self.generator(part, size, dtype)
+        if g.step != step:
+            raise ValueError(f"part {part} of the noise stream was already released at step {step}")
+        return g.draw(seed=seed, fresh=fresh, parallel=parallel)
+
+    def commit(
+        self, step: int, part: int, *, draw_next: bool = False, seed: Optional[int] = None, parallel: bool = True
+    ) -> Optional[np.ndarray]:
+        """Advances part ``part``'s buffers past ``step`` with the w drawn for it (and, with
+        ``draw_next``, returns the next step's w drawn in the same pass)."""
+        if step != self.step or part not in self.parts:
+            raise ValueError(f"part {part} of the noise stream has no draw at step {step}")
+        return self.parts[part].commit(draw_next=draw_next, seed=seed, parallel=parallel)
 
     def advance(self, step: int) -> None:
         """Closes ``step``: every part must have been drawn exactly once."""
@@ -289,15 +313,51 @@ class MatrixFactorizationQuery(GaussianSumQuery):
 
     def draw_noise(
         self, global_state: Any, part: int, size: int, dtype: Any, stddev: float, *, seed: Optional[int] = None,
-        parallel: bool = True,
+        fresh: Optional[np.ndarray] = None, parallel: bool = True,
     ) -> np.ndarray:
         """stddev·w_t for part ``part`` (flat, ``size`` values of ``dtype``) at the global
-        state's step."""
+        state's step. ``fresh``: the step's standard normal z for this part, drawn ahead of the
+        release (z does not depend on the data; only the buffers must advance at the release)."""
         gs = _global(global_state)
-        return gs.noise.draw(gs.step, part, size, dtype, stddev, seed=seed, parallel=parallel)
+        return gs.noise.draw(gs.step, part, size, dtype, stddev, seed=seed, fresh=fresh, parallel=parallel)
+
+    def draw_unit_noise(
+        self, global_state: Any, part: int, size: int, dtype: Any, *, seed: Optional[int] = None,
+        fresh: Optional[np.ndarray] = None, parallel: bool = True,
+    ) -> np.ndarray:
+        """The unit noise w_t of part ``part`` (the release adds stddev·w_t), computed without
+        advancing the noise buffers: it depends on no data, so it may be drawn ahead of the
+        release. :meth:`commit_noise` advances the buffers once the release is recorded; a draw
+        never committed is dropped (its noise is never used)."""
+        gs = _global(global_state)
+        return gs.noise.draw_unit(gs.step, part, size, dtype, seed=seed, fresh=fresh, parallel=parallel)
+
+    def commit_noise(
+        self, global_state: Any, part: int, *, draw_next: bool = False, seed: Optional[int] = None,
+        parallel: bool = True,
+    ) -> Optional[np.ndarray]:
+        """Advances part ``part``'s buffers with the w of :meth:`draw_unit_noise` (after the
+        release that used it is recorded). With ``draw_next`` it also returns the next step's w,
+        drawn in the same pass over the buffers (the next release then needs no draw)."""
+        gs = _global(global_state)
+        return gs.noise.commit(gs.step, part, draw_next=draw_next, seed=seed, parallel=parallel)
 
     def finish_release(self, global_state: Any) -> MatrixFactorizationGlobalState:
-        """The global state after a release whose parts were all drawn with :meth:`draw_noise`."""
+        """The global state after a release whose parts were all drawn (:meth:`draw_noise`, or
+        :meth:`draw_unit_noise` then :meth:`commit_noise`): :meth:`close_step` then
+        :meth:`released_state`."""
+        self.close_step(global_state)
+        return self.released_state(global_state)
+
+    def close_step(self, global_state: Any) -> None:
+        """Closes the global state's step in its noise stream: every part must have been
+        released (drawn and committed) exactly once."""
         gs = _global(global_state)
         gs.noise.advance(gs.step)
+
+    def released_state(self, global_state: Any) -> MatrixFactorizationGlobalState:
+        """The global state of the next step. Its stream must be closed (:meth:`close_step`)
+        before it is used; a caller that updates the buffers in the background takes this one
+        at once and waits for the update before the next release."""
+        gs = _global(global_state)
         return replace(gs, step=gs.step + 1)

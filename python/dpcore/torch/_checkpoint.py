@@ -274,6 +274,7 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
             )
             opt.original_optimizer.load_state_dict(state_dict)
             opt._next_noise = None
+            opt._next_mf = None
             return
         raise ValueError("not a DPOptimizer state dict: expected keys 'optimizer' and 'dpcore'")
     dp, inner = state_dict["dpcore"], state_dict.get("optimizer")
@@ -329,6 +330,7 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
     opt.skipped_steps = int(dp.get("skipped_steps", 0))
     opt._pending = None
     opt._next_noise = None  # drawn for a release index of the run before the load
+    opt._next_mf = None
     if restore_loader:
         loader.load_state_dict(loader_state)
         opt._drawn_at_release = drawn

@@ -126,11 +126,11 @@ class DPOptimizer(torch.optim.Optimizer):
     Matrix-factorization (correlated) noise: a group whose query is a
     :class:`~dpcore.queries.MatrixFactorizationQuery` (``make_private(...,
     noise_mechanism=...)``) gets σ·(C⁻¹z)_t at release t, member j of the group being part j of
-    the query's noise stream. The stream advances once per release, only after the release's
-    ledger entry is durable (its noise is drawn on a worker thread while the clipped sums are
-    formed, never ahead of its release), in float32 for float32/bfloat16/float16 parameters
-    (float64 for float64 ones); its buffers (:attr:`noise_state_nbytes`) are in
-    :meth:`state_dict`. With a cyclic loader each release must be the loader's next batch (a
+    the query's noise stream, in float32 for float32/bfloat16/float16 parameters (float64 for
+    float64 ones). w_t is computed ahead on a worker thread, in the background of the forward
+    and backward passes (it depends on no data), from the buffers of the released steps; the
+    buffers advance once per release, only after its ledger entry is durable. The buffers
+    (:attr:`noise_state_nbytes`) are in :meth:`state_dict`. With a cyclic loader each release must be the loader's next batch (a
     batch drawn and not stepped makes the next release raise); a failed release whose ledger
     entry stands still advances the stream, keeping stream, ledger and cycle aligned.
 
@@ -283,6 +283,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._next_noise: Optional[Tuple[int, List[List[float]], Future]] = None
         self._ledger_worker: Optional[ThreadPoolExecutor] = None
         self._mf_worker: Optional[ThreadPoolExecutor] = None
+        # (release index, Future of that release's fresh z per MF group member): drawn ahead
+        self._next_mf: Optional[Tuple[int, Future]] = None
+        self._mf_commit: Optional[Future] = None  # the last release's buffer update
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -348,6 +351,7 @@ class DPOptimizer(torch.optim.Optimizer):
         :mod:`dpcore.torch._checkpoint`."""
         from ._checkpoint import optimizer_state
 
+        self._mf_quiesce()  # the MF streams' buffers of the released steps, updated
         return {"optimizer": self.original_optimizer.state_dict(), "dpcore": optimizer_state(self)}
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, ledger_ahead: Optional[str] = None) -> None:
@@ -364,6 +368,7 @@ class DPOptimizer(torch.optim.Optimizer):
         optimizer's state only, with a warning."""
         from ._checkpoint import load_optimizer_state
 
+        self._mf_quiesce()  # nothing drawing on the streams that the load replaces
         load_optimizer_state(self, state_dict, ledger_ahead)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -575,73 +580,124 @@ class DPOptimizer(torch.optim.Optimizer):
         assert self._pending is not None
         return {gi: [self._pending[gi][1], set(), False] for gi in self._mf_groups}
 
-    def _mf_start(self, write: Future, mf: Dict[int, List[Any]]) -> Future:
-        """Starts drawing this release's correlated noise on a worker thread, so that the core's
-        generator runs while torch forms the clipped sums (the values are the same either way).
+    def _unit_mf(self, step: int, streams: Dict[int, Any], parallel: bool) -> Dict[int, List[np.ndarray]]:
+        """The unit noise w_t of release ``step`` for every member of each MF group (``streams``:
+        group → its global state at that step), computed without advancing the buffers."""
+        out: Dict[int, List[np.ndarray]] = {}
+        for gi, gs in streams.items():
+            g = self._groups[gi]
+            row = []
+            for j, k in enumerate(g.members):
+                p = self._params[k]
+                dt = np.float64 if work_dtype(p.dtype) == torch.float64 else np.float32
+                seed = derive_seed(self._seed, step, gi, j)
+                row.append(g.query.draw_unit_noise(gs, j, p.numel(), dt, seed=seed, parallel=parallel))
+            out[gi] = row
+        return out
 
-        The worker first waits for the ledger entry: the stream never advances for a step the
-        ledger does not count (an unrecorded step would shift the cycle's participations against
-        the noise). Nothing is drawn ahead of its release: the stream's state advances only
-        here, once per release, so checkpoints and resumes see exactly the released steps."""
+    def _mf_start(self, write: Future, mf: Dict[int, List[Any]]) -> Future:
+        """This release's unit noise w_t for each MF group member.
+
+        w_t = (C⁻¹z)_t depends on no data: it is computed ahead, on a worker thread in the
+        background of the forward and backward passes (as the independent noise is), from the
+        buffers of the released steps, without changing them. Only the buffers' update waits for
+        the release's ledger entry (:meth:`_mf_noise`), so a stream never advances for a step
+        the ledger does not count (an unrecorded step would shift the cycle's participations
+        against the noise), and checkpoints see exactly the released steps. A draw is used only
+        for the release index it was made for; one never used is dropped, never saved."""
+        step = self._releases
+        pending, self._next_mf = self._next_mf, None
+        if pending is not None and pending[0] == step:
+            return pending[1]
         if self._mf_worker is None:
             self._mf_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-mf-noise")
-        step = self._releases
-        plans = {gi: self._pending[gi][0] for gi in mf}  # type: ignore[index]
-
-        def draw() -> Dict[int, List[np.ndarray]]:
-            write.result()
-            out: Dict[int, List[np.ndarray]] = {}
-            for gi, st in mf.items():
-                g, plan, gs = self._groups[gi], plans[gi], st[0]
-                row = []
-                for j, k in enumerate(g.members):
-                    p = self._params[k]
-                    sd = plan.part_stddevs[j] / plan.denominator
-                    dt = np.float64 if work_dtype(p.dtype) == torch.float64 else np.float32
-                    row.append(g.query.draw_noise(gs, j, p.numel(), dt, sd, seed=derive_seed(self._seed, step, gi, j)))
-                    st[1].add(j)
-                out[gi] = row
-            return out
-
-        return self._mf_worker.submit(draw)
+        return self._mf_worker.submit(self._unit_mf, step, {gi: st[0] for gi, st in mf.items()}, True)
 
     @torch.no_grad()
-    def _mf_noise(self, drawing: Future, mf: Dict[int, List[Any]]) -> None:
-        """Adds each MF group's correlated noise σ·(C⁻¹z)_t/denominator to its released sums
-        (in the work dtype: float32 accumulators for float32, bfloat16 and float16 parameters),
-        then closes the stream's step."""
+    def _mf_noise(self, drawing: Future, mf: Dict[int, List[Any]], write: Future) -> None:
+        """Adds each MF group's correlated noise σ·w_t/denominator to its released sums (in the
+        work dtype: float32 accumulators for float32, bfloat16 and float16 parameters), then
+        queues, behind the ledger write, the buffers' update and the next release's w."""
         noise = drawing.result()
         assert self._pending is not None
         for gi, st in mf.items():
             g = self._groups[gi]
-            plan, gs = self._pending[gi]
-            for k, z in zip(g.members, noise[gi]):
+            plan, _ = self._pending[gi]
+            for j, (k, w) in enumerate(zip(g.members, noise[gi])):
                 p = self._params[k]
-                t = torch.from_numpy(z).view(p.shape).to(device=p.device, dtype=work_dtype(p.dtype), non_blocking=True)
+                sd = plan.part_stddevs[j] / plan.denominator
+                # w is read again by the buffers' update: scaled into a new tensor, never in place
+                t = torch.from_numpy(w).view(p.shape).to(device=p.device, dtype=work_dtype(p.dtype), non_blocking=True)
                 acc = self._acc[k]
-                self._acc[k] = t if acc is None else acc.add_(t)
-            self._pending[gi] = (plan, g.query.finish_release(gs))
+                self._acc[k] = t * sd if acc is None else acc.add_(t, alpha=sd)
             st[2] = True
+        streams = {gi: st[0] for gi, st in mf.items()}
+        step = self._releases
+        for gi, gs in streams.items():
+            # the next global state at once; its stream is closed by the update below, which the
+            # next release waits for (_mf_sync)
+            self._pending[gi] = (self._pending[gi][0], self._groups[gi].query.released_state(gs))
+
+        def commit() -> Dict[int, List[np.ndarray]]:
+            """The buffers' update for this release and, in the same pass, the next release's w."""
+            write.result()  # a release the ledger does not hold must not advance the streams
+            ahead: Dict[int, List[np.ndarray]] = {}
+            for gi, gs in streams.items():
+                q = self._groups[gi].query
+                ahead[gi] = [
+                    q.commit_noise(gs, j, draw_next=True, seed=derive_seed(self._seed, step + 1, gi, j), parallel=False)
+                    for j in range(len(self._groups[gi].members))
+                ]
+                q.close_step(gs)
+            return ahead
+
+        if self._mf_worker is None:
+            self._mf_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcore-mf-noise")
+        committed = self._mf_worker.submit(commit)
+        self._mf_commit = committed
+        self._next_mf = (step + 1, committed)
+
+    def _mf_sync(self) -> None:
+        """Waits for the last release's buffer update. A failed update (its ledger write failed,
+        and the step that made it raised already, leaving the groups' global states at that
+        release) leaves the streams unadvanced, as the ledger is."""
+        pending, self._mf_commit = self._mf_commit, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:
+                pass
+
+    def _mf_quiesce(self) -> None:
+        """Before the streams' state is read or replaced: the update done, nothing drawing."""
+        self._mf_sync()
+        ahead, self._next_mf = self._next_mf, None
+        if ahead is not None:
+            try:
+                ahead[1].result()
+            except BaseException:
+                pass
 
     def _mf_settle(self, drawing: Optional[Future], mf: Dict[int, List[Any]]) -> None:
         """After a failed release whose ledger entry stands: every MF stream still advances one
-        step (its remaining parts drawn and dropped), so that the stream, the ledger and the
-        cycle stay aligned. Nothing is released."""
+        step (with the w drawn for it, or one drawn now and dropped), so that the stream, the
+        ledger and the cycle stay aligned. Nothing is released."""
         if drawing is not None:
             try:
                 drawing.result()
             except BaseException:
-                pass  # the parts it drew are in mf; the others are drawn here
-        for gi, (gs, drawn, done) in mf.items():
+                pass
+        step = self._releases
+        for gi, (gs, _, _) in mf.items():
             g = self._groups[gi]
-            if not done:
-                for j, k in enumerate(g.members):
-                    if j not in drawn:
-                        p = self._params[k]
-                        dt = np.float64 if work_dtype(p.dtype) == torch.float64 else np.float32
-                        g.query.draw_noise(gs, j, p.numel(), dt, 0.0)
-                gs = g.query.finish_release(gs)
-            g.gs, g.ns = gs, g.query.initial_norm_state()
+            for j, k in enumerate(g.members):
+                part = gs.noise.parts.get(j)
+                if part is None or not part.drawn:
+                    p = self._params[k]
+                    dt = np.float64 if work_dtype(p.dtype) == torch.float64 else np.float32
+                    g.query.draw_unit_noise(gs, j, p.numel(), dt, seed=derive_seed(self._seed, step, gi, j))
+                g.query.commit_noise(gs, j)
+            g.gs, g.ns = g.query.finish_release(gs), g.query.initial_norm_state()
 
     @property
     def noise_state_nbytes(self) -> int:
@@ -807,6 +863,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "DPDataLoader yields, never twice for one batch"
             )
         if releasing and self._mf_groups:
+            self._mf_sync()
             self._check_mf_step(drawn)
         if self._comm is not None and releasing:
             try:
@@ -851,7 +908,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 try:
                     self._discrete_noise()
                     if drawing is not None:
-                        self._mf_noise(drawing, mf)
+                        self._mf_noise(drawing, mf, write)
                 except BaseException:
                     self._discard()
                     raise
