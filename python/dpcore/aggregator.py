@@ -17,7 +17,7 @@ from .ledger import FIXED_SIZE, POISSON, PrivacyLedger
 from ._attrs import readonly
 from ._validate import count, integer, probability
 from .queries.base import DPQuery
-from .sampling import fixed_size_sample, poisson_sample
+from .sampling import CyclicBatches, CyclicPoissonSampler, fixed_size_sample, poisson_sample
 
 __all__ = ["PrivateAggregator", "RecordSpec"]
 
@@ -58,6 +58,10 @@ class PrivateAggregator:
     * ``sampling_probability``: q for ``policy="poisson"`` (the default; the sampling the
       subsampled-Gaussian accountant assumes, §5). For ``policy="fixed_size_without_replacement"``
       give ``sample_size`` = b instead.
+    * ``sampler``: instead of a policy, a :class:`dpcore.sampling.CyclicBatches` or
+      :class:`dpcore.sampling.CyclicPoissonSampler` recording into ``ledger``: the participation
+      schemas of matrix-factorization queries (:class:`dpcore.queries.MatrixFactorizationQuery`,
+      whose ``participation`` must be the sampler's). ``population_size`` is then the sampler's.
 
     ``sample()`` draws the indices from ChaCha20 and records the sampling event; ``aggregate``
     takes the records of exactly those indices (leading axis = sample size), runs the query's
@@ -74,13 +78,19 @@ class PrivateAggregator:
         *,
         sample_size: Optional[int] = None,
         policy: str = POISSON,
+        sampler: Any = None,
     ) -> None:
         if not isinstance(query, DPQuery):
             raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.ledger.PrivacyLedger, got {type(ledger).__name__}")
         population_size = count("population_size", population_size, 1)
-        if policy == POISSON:
+        self._sampler = None
+        if sampler is not None:
+            _check_sampler(sampler, query, ledger, population_size, sampling_probability, sample_size)
+            self._sampler = sampler
+            policy = sampler.kind
+        elif policy == POISSON:
             if sampling_probability is None:
                 raise ValueError("policy 'poisson' needs sampling_probability")
             if sample_size is not None:
@@ -101,7 +111,7 @@ class PrivateAggregator:
         self._query = query
         self._ledger = ledger
         self._n = int(population_size)
-        self._q = None if sampling_probability is None else float(sampling_probability)
+        self._q = None if sampling_probability is None or sampler is not None else float(sampling_probability)
         self._b = None if sample_size is None else int(sample_size)
         self._policy = policy
         self._global_state = query.initial_global_state()
@@ -117,12 +127,18 @@ class PrivateAggregator:
 
     def sample(self, *, seed: Optional[int] = None) -> np.ndarray:
         """Sorted int64 indices of the next sample; records its sampling event in the ledger."""
-        if self._policy == POISSON:
+        if self._sampler is not None:
+            if seed is not None:
+                raise ValueError("a cyclic sampler is seeded (tests only) when it is built, not per sample")
+            idx = self._sampler.draw()
+        elif self._policy == POISSON:
             idx = poisson_sample(self._n, self._q, seed=seed, ledger=self._ledger)  # type: ignore[arg-type]
         else:
             idx = fixed_size_sample(self._n, self._b, seed=seed, ledger=self._ledger)  # type: ignore[arg-type]
         self._open = int(idx.shape[0])
         return idx
+
+    sampler = readonly[Any]("_sampler", "The cyclic sampler drawing the samples, or None.")
 
     def aggregate(self, records: Any, *, seed: Optional[int] = None) -> Any:
         """The query's noised aggregate of the sample's records; durable in the ledger on return.
@@ -150,3 +166,30 @@ class PrivateAggregator:
         self._global_state = new_gs
         self._open = None
         return result
+
+
+def _check_sampler(
+    sampler: Any, query: DPQuery, ledger: PrivacyLedger, n: int, q: Optional[float], b: Optional[int]
+) -> None:
+    """A cyclic sampler fit for this aggregator: recording into its ledger, over its population,
+    in the participation schema its matrix-factorization query declares."""
+    if not isinstance(sampler, (CyclicBatches, CyclicPoissonSampler)):
+        raise TypeError(
+            f"sampler must be a dpcore.sampling.CyclicBatches or CyclicPoissonSampler, got {type(sampler).__name__}"
+        )
+    if q is not None or b is not None:
+        raise ValueError("give sampling_probability/sample_size or a sampler, not both (the sampler has its own)")
+    if sampler.ledger is not ledger:
+        raise ValueError("the sampler must record into the aggregator's ledger: build it with ledger=ledger")
+    if sampler.population_size != n:
+        raise ValueError(f"population_size is {n} but the sampler draws from {sampler.population_size} records")
+    part, have = getattr(query, "participation", None), sampler.participation
+    # The planned participations (max_participations) are the query's alone: the accountant
+    # counts those actually run.
+    if part is not None and (part.kind, part.min_separation, part.sampling_probability) != (
+        have.kind, have.min_separation, have.sampling_probability
+    ):
+        raise ValueError(
+            f"the query declares {part.describe()}, but the sampler follows {have.describe()}: "
+            "the noise's sensitivity would not hold for the samples drawn"
+        )
