@@ -22,6 +22,7 @@ __all__ = [
     "mf_noise",
     "mf_unit_noise",
     "mf_advance",
+    "mf_advance_and_draw",
     "pld_epsilon_bounds",
     "pld_delta_bounds",
     "rdp_poisson_subsampled_gaussian",
@@ -154,6 +155,20 @@ def mf_advance(
     parallel: bool = True,
 ) -> None:
     """Advances `state` in place past step `step` with that step's unit noise `w`."""
+def mf_advance_and_draw(
+    kind: str,
+    coefficients: List[float],
+    theta: List[float],
+    omega: List[float],
+    state: np.ndarray,
+    dim: int,
+    step: int,
+    w: np.ndarray,
+    seed: Optional[int] = None,
+    parallel: bool = True,
+) -> np.ndarray:
+    """`mf_advance` past step `step` with `w`, then the unit noise of step `step + 1` from the updated
+    state, in one pass."""
 def poisson_sample(n: int, q: float, seed: Optional[int] = None) -> npt.NDArray[np.uint64]:
     """Sorted indices of a Poisson sample (uint64)."""
 def ledger_scan(
