@@ -141,6 +141,35 @@ fn update<T: NoiseElem>(s: &Strategy, slot: usize, st: &mut [T], len: usize, i0:
     }
 }
 
+/// [`update`] with slot `up` and then [`solve`] with slot `sv` (each where given), compiled for
+/// AVX2 where the CPU has it: the loops are simple enough for the compiler to
+/// vectorise 4 doubles at a time instead of SSE2's 2. The arithmetic is the same (Rust never
+/// fuses a multiply and an add on its own), so the bits do not depend on the CPU.
+#[inline(always)]
+fn batch<T: NoiseElem>(s: &Strategy, up: Option<usize>, sv: Option<usize>, st: &mut [T], len: usize, i0: usize, w: &mut [f64]) {
+    #[inline(always)]
+    fn plain<T: NoiseElem>(s: &Strategy, up: Option<usize>, sv: Option<usize>, st: &mut [T], len: usize, i0: usize, w: &mut [f64]) {
+        if let Some(slot) = up {
+            update(s, slot, st, len, i0, w);
+        }
+        if let Some(slot) = sv {
+            solve(s, slot, st, len, i0, w);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2<T: NoiseElem>(s: &Strategy, up: Option<usize>, sv: Option<usize>, st: &mut [T], len: usize, i0: usize, w: &mut [f64]) {
+            plain(s, up, sv, st, len, i0, w)
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { avx2(s, up, sv, st, len, i0, w) };
+        }
+    }
+    plain(s, up, sv, st, len, i0, w)
+}
+
 /// The shared checks: the strategy, the state's size, and any per-coordinate input's.
 fn check_shapes(strategy: &Strategy, state_len: usize, dim: usize, inputs: &[(&str, Option<usize>)]) -> DpResult<usize> {
     strategy.check()?;
@@ -278,7 +307,7 @@ pub fn advance_state<T: NoiseElem>(
             for (x, v) in b.iter_mut().zip(&w[c * NOISE_CHUNK + i0..]) {
                 *x = v.to_f64();
             }
-            update(strategy, slot, st, len, i0, b);
+            batch(strategy, Some(slot), None, st, len, i0, b);
         }
     };
     if parallel && dim > NOISE_CHUNK {
@@ -322,9 +351,9 @@ pub fn advance_and_draw<T: NoiseElem>(
             for (x, v) in b.iter_mut().zip(&w[base + i0..]) {
                 *x = v.to_f64();
             }
-            update(strategy, slot, st, len, i0, b);
+            batch(strategy, Some(slot), None, st, len, i0, b);
             fresh_batch::<T>(&mut rng, None, 0, b);
-            solve(strategy, next, st, len, i0, b);
+            batch(strategy, None, Some(next), st, len, i0, b);
             for (oj, &x) in ob.iter_mut().zip(b.iter()) {
                 oj.write(T::from_f64(x));
             }
@@ -376,8 +405,8 @@ pub fn correlated_noise<T: NoiseElem>(
             let i0 = b * BATCH;
             let w = &mut w[..ob.len()];
             fresh_batch(&mut rng, fresh, base + i0, w);
-            solve(strategy, slot, st, len, i0, w);
-            update(strategy, slot, st, len, i0, w);
+            batch(strategy, None, Some(slot), st, len, i0, w);
+            batch(strategy, Some(slot), None, st, len, i0, w);
             for (j, (oj, &wj)) in ob.iter_mut().zip(w.iter()).enumerate() {
                 let x = sum.map_or(0.0, |s| s[base + i0 + j]);
                 oj.write(T::from_f64((x + stddev * wj) / denominator));
