@@ -504,3 +504,27 @@ def test_a_failed_release_keeps_stream_ledger_and_cycle_aligned(tmp_path, monkey
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="every batch of the cycle"):
         opt.step()
+
+
+def test_default_strategy_follows_sgd_momentum(tmp_path):
+    """With SGD(momentum=β) the default strategy is optimised for the momentum workload: it has
+    a lower momentum-workload loss than the strategy optimised for plain prefix sums."""
+    from dpcore.matrix_factorization import expected_loss, optimize as mf_optimize
+    from dpcore.torch._mf import sgd_momentum
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    assert sgd_momentum(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == 0.9
+    assert sgd_momentum(torch.optim.SGD(model.parameters(), lr=0.1)) == 0.0
+    assert sgd_momentum(torch.optim.Adam(model.parameters())) == 0.0
+    ds = TensorDataset(torch.randn(40, 4), torch.randint(0, 3, (40,)))
+    _, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), DataLoader(ds, batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism="blt", epochs=4, ledger=tmp_path / "l.jsonl",
+    )
+    got = opt._groups[0].query.strategy
+    part = loader.participation
+    steps = 4 * len(loader)
+    plain = mf_optimize(steps, part, kind="blt")
+    assert expected_loss(got, steps, part, momentum=0.9) < expected_loss(plain, steps, part, momentum=0.9)
+    assert got == mf_optimize(steps, part, kind="blt", momentum=0.9)

@@ -72,14 +72,19 @@ __all__ += [
 NOISE_MECHANISMS = ("independent", "banded", "blt")
 
 
-def strategy_for(mechanism: str, participation: Participation, steps: int, strategy: "ToeplitzStrategy | None" = None) -> ToeplitzStrategy:
+def strategy_for(
+    mechanism: str, participation: Participation, steps: int, strategy: "ToeplitzStrategy | None" = None, *,
+    momentum: float = 0.0,
+) -> ToeplitzStrategy:
     """The strategy of a training run with ``noise_mechanism=mechanism`` over ``steps`` planned
     steps under ``participation``: ``strategy`` checked against the mechanism, or optimised
     (:func:`optimize`). ``"independent"`` is C = I (DP-SGD; only :data:`IDENTITY` may be
     given); ``"banded"`` a :class:`BandedStrategy` (default :func:`default_bands` bands);
     ``"blt"`` a :class:`BLTStrategy` (:data:`DEFAULT_BUFFERS` buffers), refused with cyclic Poisson sampling, as is a
     banded strategy with more bands than ``min_separation`` there (amplified banded MF,
-    Choquette-Choo et al. 2023)."""
+    Choquette-Choo et al. 2023). ``momentum``: the optimizer's heavy-ball β, which changes the
+    workload the strategy is optimised for (the noise reaches the parameters through the
+    momentum filter; Denisov et al. 2022)."""
     if mechanism not in NOISE_MECHANISMS:
         raise ValueError(f"noise_mechanism must be one of {NOISE_MECHANISMS}, got {mechanism!r}")
     if not isinstance(participation, Participation):
@@ -101,12 +106,12 @@ def strategy_for(mechanism: str, participation: Participation, steps: int, strat
                 "strategy with at most b bands (Choquette-Choo et al. 2023); use noise_mechanism='banded'"
             )
         if strategy is None:
-            return optimize(steps, participation, kind="blt")
+            return optimize(steps, participation, kind="blt", momentum=momentum)
         if not isinstance(strategy, BLTStrategy):
             raise ValueError(f"noise_mechanism='blt' but strategy is a {type(strategy).__name__}")
         return strategy
     if strategy is None:
-        strategy = optimize(steps, participation, kind="banded")
+        strategy = optimize(steps, participation, kind="banded", momentum=momentum)
     elif not isinstance(strategy, BandedStrategy):
         raise ValueError(f"noise_mechanism='banded' but strategy is a {type(strategy).__name__}")
     if poisson and strategy.bands > participation.min_separation:

@@ -169,7 +169,9 @@ def make_private(
     * the strategy: ``strategy=`` (a :class:`~dpcore.matrix_factorization.BandedStrategy` or
       :class:`~dpcore.matrix_factorization.BLTStrategy`), else
       :func:`dpcore.matrix_factorization.optimize` for the planned steps and the loader's
-      participation schema (``"blt"``: 4 buffers; ``"banded"``: min(b, steps, 64) bands).
+      participation schema (``"blt"``: 2 buffers; ``"banded"``: min(b, steps, 64) bands), for
+      the workload of the optimizer's updates: with ``torch.optim.SGD(momentum=β)`` (one β for
+      all groups) the prefix sums of momentum-filtered steps, else plain prefix sums.
       ``"independent"`` is C = I: DP-SGD over the cyclic fixed batches, accounted honestly
       (no amplification: the whole run is one Gaussian mechanism at z).
     * ``noise_multiplier`` is the **effective** one: σ = z·C·sens(C) with sens(C) the
@@ -342,7 +344,7 @@ def _make_private_mf(
     participation: Any, keep_loader: bool,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     from ..queries import MatrixFactorizationQuery
-    from ._mf import choose_strategy, schedule
+    from ._mf import choose_strategy, schedule, sgd_momentum
 
     if query is not None:
         raise ValueError(
@@ -368,7 +370,9 @@ def _make_private_mf(
         data_loader, noise_mechanism=noise_mechanism, epochs=epochs, participation=participation,
         poisson_sampling=poisson_sampling, keep_loader=keep_loader,
     )
-    strat = choose_strategy(noise_mechanism, strategy, sched)
+    # A default strategy is optimised for the workload the updates follow: SGD's momentum
+    # filters the noise too (prefix sums of momentum-filtered steps).
+    strat = choose_strategy(noise_mechanism, strategy, sched, sgd_momentum(optimizer))
     ledger = resolve_ledger(ledger, None)
     loader: Any
     if sched.order == "keep":

@@ -104,9 +104,22 @@ def schedule(
     return Schedule(order, Participation(b, epochs), epochs * b)
 
 
-def choose_strategy(noise_mechanism: str, strategy: Any, sched: Schedule) -> ToeplitzStrategy:
+def sgd_momentum(optimizer: Any) -> float:
+    """The heavy-ball β of a ``torch.optim.SGD`` whose parameter groups all share it (0 for any
+    other optimizer, or when the groups differ): the workload a default strategy is optimised
+    for. Adaptive optimizers (Adam) rescale per coordinate, which no Toeplitz workload models."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.SGD):
+        return 0.0
+    betas = {float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups}
+    beta = betas.pop() if len(betas) == 1 else 0.0
+    return beta if 0.0 < beta < 1.0 else 0.0
+
+
+def choose_strategy(noise_mechanism: str, strategy: Any, sched: Schedule, momentum: float = 0.0) -> ToeplitzStrategy:
     """The strategy of an MF run: checked against the mechanism and schedule, or optimised
-    (:func:`dpcore.matrix_factorization.strategy_for`)."""
+    (:func:`dpcore.matrix_factorization.strategy_for`) for SGD's ``momentum``."""
     from ..matrix_factorization import strategy_for
 
-    return strategy_for(noise_mechanism, sched.participation, sched.steps, strategy)
+    return strategy_for(noise_mechanism, sched.participation, sched.steps, strategy, momentum=momentum)
