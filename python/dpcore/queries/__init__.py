@@ -30,7 +30,6 @@ from .gaussian import (
     NoPrivacyQuery,
     ReleasePlan,
 )
-from .matrix_factorization import MatrixFactorizationGlobalState, MatrixFactorizationQuery
 from .microbatch import MicrobatchQuery, scale_sensitivity
 from .nested import NestedQuery
 from .strategies import (
@@ -68,3 +67,13 @@ __all__ = [
     "proportional_noise",
     "dimensionality_adjusted_noise",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The correlated-noise query pulls in the strategies and their optimiser: loaded on first
+    # use, so that `import dpcore` stays fast for everyone else.
+    if name in ("MatrixFactorizationQuery", "MatrixFactorizationGlobalState"):
+        from . import matrix_factorization
+
+        return getattr(matrix_factorization, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
