@@ -152,6 +152,14 @@ def test_brute_force_finds_the_non_monotone_worst_case():
             out[: min(n, self._c.size)] = self._c[:n]
             return out
 
+        num_buffers = 3
+
+        def to_dict(self):
+            return {"kind": "raw", "coefficients": self._c.tolist()}
+
+        def describe(self):
+            return "raw Toeplitz"
+
     s = Raw([1.0, 0.0, 0.0, 5.0])
     n, part = 8, P(2)
     v = np.zeros(n)

@@ -32,6 +32,7 @@ strategy with these functions, never from a value a query reports.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Dict, Sequence
 
@@ -46,24 +47,25 @@ from ._participation import CYCLIC_POISSON, Participation
 _SENS_SLACK = 1e-12
 
 
-class ToeplitzStrategy:
+class ToeplitzStrategy(abc.ABC):
     """A lower-triangular Toeplitz strategy matrix C with c_0 = 1 and coefficients c_k ≥ c_(k+1) ≥ 0."""
 
     kind: str = ""
 
     # -- subclasses ---------------------------------------------------------------------------
 
+    @abc.abstractmethod
     def coefficients(self, n: int) -> np.ndarray:
         """c_0 … c_(n−1): the first column of C restricted to n steps (float64)."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def num_buffers(self) -> int:
         """Noise vectors of state the streaming generator keeps (bands − 1, or the BLT's buffers)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_dict(self) -> Dict[str, Any]:
-        raise NotImplementedError
+        """The strategy as JSON values (:func:`strategy_from_dict` inverts it)."""
 
     # -- shared ---------------------------------------------------------------------------------
 
@@ -116,8 +118,9 @@ class ToeplitzStrategy:
             "strategy with at most min_separation bands (Choquette-Choo et al. 2023)"
         )
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """One line naming the strategy, for reports."""
 
     def __eq__(self, other: Any) -> bool:
         return type(other) is type(self) and other.to_dict() == self.to_dict()
