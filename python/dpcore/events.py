@@ -49,7 +49,8 @@ QUERY_EVENTS = (
 #: The accountant events (dp_accounting's vocabulary), re-exported by :mod:`dpcore.accounting`.
 ACCOUNTANT_EVENTS = (
     "Event", "GaussianEvent", "DiscreteGaussianEvent", "PoissonSampledEvent", "SampledWithoutReplacementEvent",
-    "TruncatedPoissonSampledEvent", "SelfComposedEvent", "ComposedEvent", "NonPrivateEvent", "event_from_dict",
+    "TruncatedPoissonSampledEvent", "BallsInBinsSampledEvent", "RandomAllocationSampledEvent", "RepeatAndSelectEvent",
+    "SelfComposedEvent", "ComposedEvent", "NonPrivateEvent", "event_from_dict",
 )
 __all__ = [*QUERY_EVENTS, *ACCOUNTANT_EVENTS]
 
@@ -423,6 +424,75 @@ class TruncatedPoissonSampledEvent(Event):
             raise ValueError(f"max_sample_size must be <= population_size={n}, got {b}")
         _settle(self, sampling_probability=q, max_sample_size=b, population_size=n)
         object.__setattr__(self, "population_size", n)
+
+
+@dataclass(frozen=True)
+class RandomAllocationSampledEvent(Event):
+    """``event`` run at each of ``num_steps`` steps, where every record takes part in exactly
+    ``num_selected`` of them, a uniformly random ``num_selected``-subset of the steps chosen
+    independently for each record (random allocation, Feldman & Shenfeld 2025,
+    arXiv:2502.08202). Unlike :class:`PoissonSampledEvent`, one such event covers all
+    ``num_steps`` steps of an allocation round: a run of R rounds is
+    ``SelfComposedEvent(RandomAllocationSampledEvent(t, k, e), R)``. A round cut short (a
+    prefix of its steps released) is covered by the whole round's event (post-processing).
+
+    ``event`` is the mechanism of one step (a :class:`GaussianEvent`); the batches have no
+    fixed size (a record's steps are chosen without regard to the others').
+    """
+
+    num_steps: int
+    num_selected: int
+    event: Event
+
+    def __post_init__(self) -> None:
+        t = _count("num_steps", self.num_steps, 1)
+        k = _count("num_selected", self.num_selected, 1)
+        if k > t:
+            raise ValueError(f"num_selected must be <= num_steps={t}, got {k}")
+        _settle(self, num_steps=t, num_selected=k)
+
+
+@dataclass(frozen=True)
+class BallsInBinsSampledEvent(Event):
+    """One epoch of balls-in-bins sampling (Chua et al. 2025, "Balls-and-Bins Sampling for
+    DP-SGD", arXiv:2412.16802): every record is thrown into one of ``num_batches`` batches,
+    uniformly and independently, and ``event`` runs once on each batch. It covers the epoch's
+    ``num_batches`` steps, and is random allocation of one step out of ``num_batches``
+    (:class:`RandomAllocationSampledEvent` with ``num_selected=1``), which is how the
+    accountants analyse it."""
+
+    num_batches: int
+    event: Event
+
+    def __post_init__(self) -> None:
+        _settle(self, num_batches=_count("num_batches", self.num_batches, 1))
+
+    def as_random_allocation(self) -> RandomAllocationSampledEvent:
+        return RandomAllocationSampledEvent(self.num_batches, 1, self.event)
+
+
+@dataclass(frozen=True)
+class RepeatAndSelectEvent(Event):
+    """Hyperparameter tuning: ``event`` (one training run) repeated a random number K of times,
+    only the best run's output released (Papernot & Steinke 2022, "Hyperparameter Tuning with
+    Renyi Differential Privacy", arXiv:2110.03620). K is drawn, independently of the data,
+    from the distribution of the given ``mean`` (E[K] >= 1) and ``shape``: the truncated
+    negative binomial D_{η,γ} of their Definition 1 with η = ``shape`` (0: logarithmic,
+    1: geometric), or Poisson for ``shape = inf`` (their §3.1). As dp_accounting's
+    ``RepeatAndSelectDpEvent`` (event, mean, shape)."""
+
+    event: Event
+    mean: float
+    shape: float
+
+    def __post_init__(self) -> None:
+        mean = _real("mean", self.mean)
+        shape = _real("shape", self.shape)
+        if not (mean >= 1 and math.isfinite(mean)):
+            raise ValueError(f"mean (the expected number of runs) must be finite and >= 1, got {mean}")
+        if not shape >= 0:
+            raise ValueError(f"shape must be >= 0 (inf: Poisson), got {shape}")
+        _settle(self, mean=mean, shape=shape)
 
 
 @dataclass(frozen=True)
