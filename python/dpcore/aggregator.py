@@ -17,7 +17,19 @@ from .ledger import FIXED_SIZE, POISSON, PrivacyLedger
 from ._attrs import readonly
 from ._validate import count, integer, probability
 from .queries.base import DPQuery
-from .sampling import CyclicBatches, CyclicPoissonSampler, fixed_size_sample, poisson_sample
+from .sampling import (
+    BallsInBinsSampler,
+    CyclicBatches,
+    CyclicPoissonSampler,
+    RandomAllocationSampler,
+    TruncatedPoissonSampler,
+    fixed_size_sample,
+    poisson_sample,
+)
+
+#: The samplers a PrivateAggregator draws from when given ``sampler=``.
+_CYCLIC = (CyclicBatches, CyclicPoissonSampler)
+_SAMPLERS = (*_CYCLIC, TruncatedPoissonSampler, RandomAllocationSampler)  # BallsInBinsSampler is one
 
 __all__ = ["PrivateAggregator", "RecordSpec"]
 
@@ -58,10 +70,15 @@ class PrivateAggregator:
     * ``sampling_probability``: q for ``policy="poisson"`` (the default; the sampling the
       subsampled-Gaussian accountant assumes, §5). For ``policy="fixed_size_without_replacement"``
       give ``sample_size`` = b instead.
-    * ``sampler``: instead of a policy, a :class:`dpcore.sampling.CyclicBatches` or
-      :class:`dpcore.sampling.CyclicPoissonSampler` recording into ``ledger``: the participation
-      schemas of matrix-factorization queries (:class:`dpcore.queries.MatrixFactorizationQuery`,
-      whose ``participation`` must be the sampler's). ``population_size`` is then the sampler's.
+    * ``sampler``: instead of a policy, a sampler of :mod:`dpcore.sampling` recording into
+      ``ledger``: :class:`~dpcore.sampling.TruncatedPoissonSampler` (Poisson with a cap on the
+      batch), :class:`~dpcore.sampling.RandomAllocationSampler` or
+      :class:`~dpcore.sampling.BallsInBinsSampler` (every record in exactly k of a round's t
+      steps), or :class:`~dpcore.sampling.CyclicBatches` /
+      :class:`~dpcore.sampling.CyclicPoissonSampler`, the participation schemas of
+      matrix-factorization queries (:class:`dpcore.queries.MatrixFactorizationQuery`, whose
+      ``participation`` must be the sampler's; such a query takes no other sampler).
+      ``population_size`` must be the sampler's.
 
     ``sample()`` draws the indices from ChaCha20 and records the sampling event; ``aggregate``
     takes the records of exactly those indices (leading axis = sample size), runs the query's
@@ -129,7 +146,7 @@ class PrivateAggregator:
         """Sorted int64 indices of the next sample; records its sampling event in the ledger."""
         if self._sampler is not None:
             if seed is not None:
-                raise ValueError("a cyclic sampler is seeded (tests only) when it is built, not per sample")
+                raise ValueError("a sampler object is seeded (tests only) when it is built, not per sample")
             idx = self._sampler.draw()
         elif self._policy == POISSON:
             idx = poisson_sample(self._n, self._q, seed=seed, ledger=self._ledger)  # type: ignore[arg-type]
@@ -138,7 +155,7 @@ class PrivateAggregator:
         self._open = int(idx.shape[0])
         return idx
 
-    sampler = readonly[Any]("_sampler", "The cyclic sampler drawing the samples, or None.")
+    sampler = readonly[Any]("_sampler", "The sampler object drawing the samples, or None.")
 
     def aggregate(self, records: Any, *, seed: Optional[int] = None) -> Any:
         """The query's noised aggregate of the sample's records; durable in the ledger on return.
@@ -171,11 +188,12 @@ class PrivateAggregator:
 def _check_sampler(
     sampler: Any, query: DPQuery, ledger: PrivacyLedger, n: int, q: Optional[float], b: Optional[int]
 ) -> None:
-    """A cyclic sampler fit for this aggregator: recording into its ledger, over its population,
-    in the participation schema its matrix-factorization query declares."""
-    if not isinstance(sampler, (CyclicBatches, CyclicPoissonSampler)):
+    """A sampler fit for this aggregator: recording into its ledger, over its population, and,
+    for a matrix-factorization query, cyclic in the participation schema the query declares."""
+    if not isinstance(sampler, _SAMPLERS):
         raise TypeError(
-            f"sampler must be a dpcore.sampling.CyclicBatches or CyclicPoissonSampler, got {type(sampler).__name__}"
+            "sampler must be a dpcore.sampling TruncatedPoissonSampler, RandomAllocationSampler, BallsInBinsSampler, "
+            f"CyclicBatches or CyclicPoissonSampler, got {type(sampler).__name__}"
         )
     if q is not None or b is not None:
         raise ValueError("give sampling_probability/sample_size or a sampler, not both (the sampler has its own)")
@@ -183,7 +201,16 @@ def _check_sampler(
         raise ValueError("the sampler must record into the aggregator's ledger: build it with ledger=ledger")
     if sampler.population_size != n:
         raise ValueError(f"population_size is {n} but the sampler draws from {sampler.population_size} records")
-    part, have = getattr(query, "participation", None), sampler.participation
+    part = getattr(query, "participation", None)
+    if not isinstance(sampler, _CYCLIC):
+        if part is not None:
+            raise ValueError(
+                f"the query is a matrix-factorization query ({part.describe()}): its noise's sensitivity holds for "
+                f"cyclic participation only, not for {type(sampler).__name__}; draw with CyclicBatches or "
+                "CyclicPoissonSampler"
+            )
+        return
+    have = sampler.participation
     # The planned participations (max_participations) are the query's alone: the accountant
     # counts those actually run.
     if part is not None and (part.kind, part.min_separation, part.sampling_probability) != (

@@ -31,6 +31,21 @@ Their samples have the policy ``"cyclic"`` (fixed batches, batch t mod b at step
 is fixed: a release declaring another one is refused. The accountant rebuilds the strategy from
 the declaration and recomputes its sensitivity (:mod:`._events`).
 
+The samplers of :mod:`dpcore.sampling` add three policies, again without changing any other
+line: ``"truncated_poisson"`` (Poisson at q = ``sampling_probability`` capped at
+``sample_size`` = B records) has the keys of every sample; the allocation policies
+``"balls_in_bins"`` and ``"random_allocation"`` (every record in exactly k of a round's t
+steps) add the round: its index over the ledger, the step's index within it, t and k::
+
+    {"type": "sample", "sample": 7, "population_size": 60000, "sampling_probability": 0.01,
+     "policy": "balls_in_bins", "sample_size": null, "seeded": false,
+     "round": 0, "step_in_round": 7, "round_steps": 100, "round_selected": 1}
+
+A round's samples are consecutive and in increasing steps, with one t, k, policy and population,
+and round indices increase by one: checked when recording and when reading. The accountant reads
+one event per round (:mod:`._events`). The core's fast reader refuses these entries (an unknown
+policy, unknown keys), so that the reader here, the reference, reads such a ledger.
+
 Durability: a sample's entries are written with one ``write`` and ``fsync``-ed before
 :meth:`PrivacyLedger.record_release` returns, and callers return a noised result only after
 that (see :class:`dpcore.PrivateAggregator`). A crash can therefore only tear the entries of a
@@ -54,8 +69,12 @@ from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_account
 from ..events import SelfComposedEvent
 from ._events import check_neighboring, rdp_relation_error, samples_to_event
 from ._storage import (
+    ALLOCATION_POLICIES,
+    BALLS_IN_BINS,
     CYCLIC,
     CYCLIC_POISSON,
+    RANDOM_ALLOCATION,
+    TRUNCATED_POISSON,
     DEFAULT_PRIVACY_UNIT,
     FIXED_SIZE,
     FORMAT,
@@ -74,6 +93,8 @@ from ._storage import (
     _sample_entry,
     _stream_entries,
     _tuples_of,
+    check_round,
+    last_round_of,
     read_ledger,
     streams_of,
 )
@@ -92,6 +113,9 @@ __all__ = [
     "SHUFFLE",
     "CYCLIC",
     "CYCLIC_POISSON",
+    "TRUNCATED_POISSON",
+    "BALLS_IN_BINS",
+    "RANDOM_ALLOCATION",
 ]
 
 
@@ -133,6 +157,7 @@ class PrivacyLedger:
             )
         self._samples = contents.samples
         self._streams = contents.streams
+        self._last_round = contents.last_round
         self.torn_tail: Optional[TornTail] = contents.torn
         self._lines = contents.lines
 
@@ -152,6 +177,7 @@ class PrivacyLedger:
         self._current = False
         self._samples, self.torn_tail, self._lines = contents.samples, contents.torn, contents.lines
         self._streams = contents.streams
+        self._last_round = contents.last_round
         self._unit = contents.privacy_unit or DEFAULT_PRIVACY_UNIT
         return self
 
@@ -166,6 +192,7 @@ class PrivacyLedger:
         self._file = _MemoryFile(label)  # type: ignore[assignment]
         self._samples = samples.copy() if isinstance(samples, SampleLog) else SampleLog((), samples)
         self._streams = streams_of(self._samples)
+        self._last_round = last_round_of(self._samples)
         self.torn_tail, self._lines, self._unit = None, 0, privacy_unit
         return self
 
@@ -191,21 +218,43 @@ class PrivacyLedger:
         *,
         sample_size: Optional[int] = None,
         seeded: bool = False,
+        round: Optional[int] = None,
+        step_in_round: Optional[int] = None,
+        round_steps: Optional[int] = None,
+        round_selected: Optional[int] = None,
     ) -> int:
         """Records that a sample was drawn (§5, §6); returns its id.
 
         ``policy`` is the policy actually used: ``"poisson"`` (each record independently with
-        probability q), ``"fixed_size_without_replacement"`` (``sample_size`` = b records uniformly,
-        q = b/n), ``"shuffle"`` (batches of a shuffled epoch: never amplified by sampling), or, for
-        matrix-factorization streams, ``"cyclic"`` (batch t mod b of a partition cut once;
+        probability q), ``"truncated_poisson"`` (Poisson at q, capped at ``sample_size`` = B
+        records: a uniformly random B of them when more are drawn),
+        ``"fixed_size_without_replacement"`` (``sample_size`` = b records uniformly,
+        q = b/n), ``"shuffle"`` (batches of a shuffled epoch: never amplified by sampling), for
+        matrix-factorization streams ``"cyclic"`` (batch t mod b of a partition cut once;
         ``sample_size`` = the batch's size, q = batch/population) and ``"cyclic_poisson"`` (group
-        t mod b, each record with probability q = p).
+        t mod b, each record with probability q = p), or an allocation policy:
+        ``"random_allocation"`` (one step of a round of t = ``round_steps`` steps in which every
+        record takes part in exactly k = ``round_selected`` steps, a uniformly random k-subset;
+        Feldman & Shenfeld 2025, arXiv 2502.08202) or ``"balls_in_bins"`` (the same with k = 1:
+        one of the epoch's t batches; Chua et al. 2025, arXiv 2412.16802). An allocation sample
+        names its ``round`` (0, 1, 2, ... over the ledger: :attr:`next_round`) and its
+        ``step_in_round`` (0 ≤ s < t); q is k/t. A round's samples must be consecutive, in
+        increasing steps, with one t, k, policy and population, and a new round must be
+        :attr:`next_round`; otherwise :class:`LedgerError` and nothing is recorded (the
+        accountant reads one event per round, which covers only such a round).
         ``seeded``: the sample came from a test seed. The entry is written together with the
         sample's first release (a sample nothing was released from costs no privacy).
         """
         self._writable()
         sid = len(self._samples)
-        self._pending = _sample_entry(sid, population_size, sampling_probability, policy, sample_size, seeded)
+        pending = _sample_entry(
+            sid, population_size, sampling_probability, policy, sample_size, seeded,
+            round, step_in_round, round_steps, round_selected,
+        )
+        why = check_round(self._samples[-1] if len(self._samples) else None, self._last_round, pending)
+        if why is not None:
+            raise LedgerError(f"{self._path}: {why}")
+        self._pending = pending
         return sid
 
     def record_release(self, event: Any) -> None:
@@ -246,6 +295,8 @@ class PrivacyLedger:
             self._samples.append(updated)
             self._pending = None
             self._current = True
+            if updated.allocation:
+                self._last_round = updated.round
         else:
             self._samples[-1] = updated
         self._lines += len(entries)
@@ -287,6 +338,13 @@ class PrivacyLedger:
         return {sid: _declaration(text) for sid, text in self._streams.items()}
 
     @property
+    def next_round(self) -> int:
+        """The index the next allocation round (balls-in-bins, random allocation) must record:
+        one more than the last round recorded, 0 for the first. A round none of whose steps was
+        released is not recorded, so its index is given again."""
+        return 0 if self._last_round is None else self._last_round + 1
+
+    @property
     def num_releases(self) -> int:
         """Samples from which something was released (the steps that cost privacy)."""
         return sum(k for s, k in self._samples.runs() if s.released)
@@ -299,11 +357,15 @@ class PrivacyLedger:
 
         Each sample with releases becomes one Gaussian event whose noise multiplier comes from
         Eq. (1) over its sum queries, wrapped by its sampling policy: Poisson →
-        ``PoissonSampledEvent(q, ·)``; fixed size → ``SampledWithoutReplacementEvent(n, b, ·)``;
+        ``PoissonSampledEvent(q, ·)``; truncated Poisson → ``TruncatedPoissonSampledEvent(q, B,
+        n, ·)``; fixed size → ``SampledWithoutReplacementEvent(n, b, ·)``;
         shuffle → the bare ``GaussianEvent`` (no amplification: a shuffled epoch is not a random
         sample and has no tight analysis, §5), with a :class:`LedgerWarning`. A sample with a
-        non-private release becomes ``NonPrivateEvent`` (ε = ∞). Runs of equal events are
-        composed with ``SelfComposedEvent``.
+        non-private release becomes ``NonPrivateEvent`` (ε = ∞). Each allocation round (however
+        many of its steps were released) becomes one ``RandomAllocationSampledEvent(t, k, ·)`` or
+        ``BallsInBinsSampledEvent(t, ·)`` of a Gaussian with the smallest z of its steps (see
+        :mod:`dpcore.ledger._events`; add-or-remove only). Runs of equal events are composed with
+        ``SelfComposedEvent``.
 
         The steps of each matrix-factorization stream are left out of Eq. (1) and accounted
         together, after the per-sample events: ``GaussianEvent(z/sens)`` for cyclic fixed

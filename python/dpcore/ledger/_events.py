@@ -34,6 +34,20 @@ multiplier of the stream at least z/sens. (With negative entries in CᵀC the bo
 Neighbouring: ``add_or_remove`` takes the recorded S as the sensitivity of a record's step
 (zero-out adjacency, as in the MF papers: a record's contribution replaced by zero);
 ``replace_one`` halves z, as for every other query.
+
+**Allocation rounds** (policies ``"balls_in_bins"`` and ``"random_allocation"``). Their
+amplification rests on the whole round (every record in exactly k of its t steps), not on any
+one step, so a round's released steps become one event: ``RandomAllocationSampledEvent(t, k,
+GaussianEvent(z_min))`` (Feldman & Shenfeld 2025, arXiv 2502.08202) or
+``BallsInBinsSampledEvent(t, GaussianEvent(z_min))`` (Chua et al. 2025, arXiv 2412.16802), with
+z_min the smallest Eq. (1) noise multiplier over the round's released steps. That is a bound for
+the round as run: a step released with z ≥ z_min is a post-processing of the same step with
+z_min (add independent Gaussian noise of variance (z² − z_min²)·S² to it), and a round of which
+only some steps were released (cut short by a restart, or steps drawn but never released) is a
+post-processing of the whole round (the allocation event's analysis is over all t steps). A
+round with a non-private release is ``NonPrivateEvent``. The allocation analyses are under
+add-or-remove-one only (one record's k steps added or removed): under replace-one these
+policies are refused.
 """
 
 from __future__ import annotations
@@ -45,10 +59,13 @@ from typing import Any, Dict, List, Sequence
 
 from ..events import effective_noise_multiplier
 from ._storage import (
+    ALLOCATION_POLICIES,
+    BALLS_IN_BINS,
     CYCLIC_POISSON,
     FIXED_SIZE,
     POISSON,
     SHUFFLE,
+    TRUNCATED_POISSON,
     LedgerError,
     LedgerSample,
     LedgerWarning,
@@ -167,7 +184,9 @@ def samples_to_event(
     The steps of matrix-factorization streams are accounted per stream
     (:func:`account_streams`); the stream events follow the per-sample ones. Other queries on
     ``"cyclic"`` and ``"cyclic_poisson"`` samples are accounted like shuffled ones: a bare
-    Gaussian event each, without amplification (conservative)."""
+    Gaussian event each, without amplification (conservative). The released steps of an
+    allocation round become one event (see the module docstring); ValueError under
+    ``neighboring="replace_one"`` for these policies."""
     # Looked up at call time, not imported with the module: the accountant's event classes are
     # what dpcore.accounting exports when the ledger is accounted (the ledger's tests put a
     # stand-in for that contract there to test this conversion on its own).
@@ -184,10 +203,45 @@ def samples_to_event(
         else:
             events.append([ev, count])
 
+    # The allocation round being read: [first sample, smallest z, non-private, discrete].
+    open_round: List[Any] = []
+
+    def close_round() -> None:
+        if not open_round:
+            return
+        first, z_min, non_private, discrete = open_round
+        open_round.clear()
+        if non_private or z_min == 0.0:
+            add(acc.NonPrivateEvent(), 1)
+            return
+        if math.isinf(z_min):
+            return  # only steps of matrix-factorization streams (refused on these policies anyway)
+        base = acc.DiscreteGaussianEvent(z_min) if discrete else acc.GaussianEvent(z_min)
+        if first.policy == BALLS_IN_BINS:
+            add(acc.BallsInBinsSampledEvent(first.round_steps, base), 1)
+        else:
+            add(acc.RandomAllocationSampledEvent(first.round_steps, first.round_selected, base), 1)
+
     for s, count in _runs(samples):
         if not s.released:
             continue
         seeded += s.seeded * count
+        if s.allocation:
+            if neighboring != "add_or_remove":
+                raise ValueError(_ALLOCATION_REPLACE_ONE.format(path=path, policy=s.policy))
+            if open_round and open_round[0].round != s.round:
+                close_round()
+            z = s.noise_multiplier()
+            if not open_round:
+                open_round.extend([s, z, s.non_private, s.discrete])
+            else:
+                open_round[1] = min(open_round[1], z)
+                open_round[2] = open_round[2] or s.non_private
+                open_round[3] = open_round[3] or s.discrete
+            # A run of one sample each (a round's steps differ in step_in_round), but a run of
+            # several would be several steps of the same round: nothing more to add.
+            continue
+        close_round()
         z = s.noise_multiplier()
         if math.isinf(z):
             continue  # every query on it is a step of a matrix-factorization stream
@@ -202,6 +256,8 @@ def samples_to_event(
             ev = acc.PoissonSampledEvent(s.sampling_probability, base)
         elif s.policy == FIXED_SIZE:
             ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, base)
+        elif s.policy == TRUNCATED_POISSON:
+            ev = acc.TruncatedPoissonSampledEvent(s.sampling_probability, s.sample_size, s.population_size, base)
         else:
             if s.policy == SHUFFLE:
                 shuffled += count
@@ -209,6 +265,7 @@ def samples_to_event(
                 cyclic += count
             ev = base
         add(ev, count)
+    close_round()
     for stream in account_streams(samples, path):
         add(stream.event(neighboring, acc), 1)
     if shuffled:
@@ -240,22 +297,40 @@ def samples_to_event(
     return acc.ComposedEvent(tuple(parts))
 
 
+_ALLOCATION_REPLACE_ONE = (
+    "{path}: the ledger holds {policy} samples (random allocation: every record in exactly k of a round's t "
+    "steps), whose analysis (Feldman & Shenfeld 2025; Chua et al. 2025) is under neighboring='add_or_remove' "
+    "only; account this ledger under add_or_remove"
+)
+
+
 def rdp_relation_error(samples: Sequence[LedgerSample], path: str, neighboring: str) -> "str | None":
     """Why the RDP accountant cannot account these samples under ``neighboring``, or None.
 
-    Its analyses exist for Poisson samples under add-or-remove and for fixed-size samples
-    without replacement under replace-one only; a ledger is accounted under one relation.
+    Its analyses exist for Poisson samples (truncated or not) and allocation rounds under
+    add-or-remove and for fixed-size samples without replacement under replace-one only; a
+    ledger is accounted under one relation.
     """
     policies = {s.policy for s, _ in _runs(samples) if s.released and s.noise_multiplier() > 0}
+    if neighboring == "replace_one":
+        for p in ALLOCATION_POLICIES:
+            if p in policies:
+                return _ALLOCATION_REPLACE_ONE.format(path=path, policy=p)
+        if TRUNCATED_POISSON in policies:
+            return (
+                f"{path}: the ledger holds truncated_poisson samples, which the RDP accountant analyses only "
+                "under neighboring='add_or_remove'"
+            )
     sampled_streams = any(
         s.policy == CYCLIC_POISSON and s.stream_queries() for s, _ in _runs(samples) if s.released
     )
     if neighboring == "add_or_remove" and FIXED_SIZE in policies:
+        others = [p for p in (POISSON, TRUNCATED_POISSON, *ALLOCATION_POLICIES) if p in policies]
         return (
             f"{path}: the ledger holds fixed_size_without_replacement samples, which the RDP "
             "accountant analyses only under neighboring='replace_one'"
-            + ("; it also holds poisson samples (add_or_remove only), so it cannot be accounted as one"
-               if POISSON in policies else "")
+            + (f"; it also holds {' and '.join(others)} samples (add_or_remove only), so it cannot be accounted as one"
+               if others else "")
         )
     if neighboring == "replace_one" and POISSON in policies:
         return (

@@ -38,8 +38,26 @@ CYCLIC = "cyclic"
 #: Group t mod b of a partition cut once, each of its records with probability p (amplified
 #: banded matrix factorization): ``sampling_probability`` is p.
 CYCLIC_POISSON = "cyclic_poisson"
-# Appended, never reordered: the core's fast reader numbers the first three policies.
-POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, CYCLIC, CYCLIC_POISSON)
+#: A Poisson sample at q capped at ``sample_size`` = B records (a uniformly random B of them
+#: when more are drawn): ``sampling_probability`` is q.
+TRUNCATED_POISSON = "truncated_poisson"
+#: One epoch of b steps in which every record takes part in exactly one step, chosen uniformly
+#: and independently (Chua et al. 2025, arXiv 2412.16802): ``sampling_probability`` is 1/b.
+BALLS_IN_BINS = "balls_in_bins"
+#: One round of t steps in which every record takes part in exactly k of them, a uniformly random
+#: k-subset chosen independently (Feldman & Shenfeld 2025, arXiv 2502.08202):
+#: ``sampling_probability`` is k/t.
+RANDOM_ALLOCATION = "random_allocation"
+# Appended, never reordered: the core's fast reader numbers the first three policies (and
+# refuses every other one, so that this reader handles them).
+POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, CYCLIC, CYCLIC_POISSON, TRUNCATED_POISSON, BALLS_IN_BINS, RANDOM_ALLOCATION)
+#: The policies whose privacy rests on a round of steps rather than on each step: their sample
+#: entries carry the round (:data:`ROUND_KEYS`), and the accountant reads one event per round.
+ALLOCATION_POLICIES = (BALLS_IN_BINS, RANDOM_ALLOCATION)
+#: The keys that the sample entries of an allocation policy add (and no other policy has): the
+#: round's index in the ledger (0, 1, 2, ... over all allocation rounds), the step's index within
+#: its round, the round's t (steps) and k (steps each record takes part in; 1 for balls-in-bins).
+ROUND_KEYS = ("round", "step_in_round", "round_steps", "round_selected")
 #: What one record of the ledger's population is (the unit of privacy, Ponomareva et al. 2023,
 #: §5.3.3): recorded in the header when a ledger is created. Ledgers written before it was
 #: recorded are example-level.
@@ -82,6 +100,17 @@ class LedgerSample:
     seeded: bool = False
     queries: Tuple[SumQueryEvent, ...] = ()
     non_private: bool = False
+    #: Allocation policies only (None otherwise): the round, the step within it, t and k.
+    round: Optional[int] = None
+    step_in_round: Optional[int] = None
+    round_steps: Optional[int] = None
+    round_selected: Optional[int] = None
+
+    @property
+    def allocation(self) -> bool:
+        """Whether the sample is one step of an allocation round (balls-in-bins, random
+        allocation): accounted per round, not per step."""
+        return self.round is not None
 
     @property
     def released(self) -> bool:
@@ -136,6 +165,10 @@ def _sample_entry(
     policy: Any,
     sample_size: Any,
     seeded: Any,
+    round: Any = None,
+    step_in_round: Any = None,
+    round_steps: Any = None,
+    round_selected: Any = None,
 ) -> LedgerSample:
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a str, got {type(policy).__name__}")
@@ -155,10 +188,24 @@ def _sample_entry(
             raise ValueError(
                 f"sampling_probability {sampling_probability} differs from sample_size/population_size = {q}"
             )
-    elif policy == CYCLIC_POISSON:
+    rounds = (round, step_in_round, round_steps, round_selected)
+    if policy in ALLOCATION_POLICIES:
+        return _allocation_entry(sample, n, sampling_probability, policy, b, seeded, *rounds)
+    if any(v is not None for v in rounds):
+        raise ValueError(f"round, step_in_round, round_steps and round_selected belong to allocation policies, not to {policy}")
+    if policy == CYCLIC_POISSON:
         # p is the schema's; a realised batch size says nothing about it.
         if sampling_probability is None:
             raise ValueError("policy cyclic_poisson needs sampling_probability (the p of each record of the group)")
+        q = _prob(sampling_probability)
+    elif policy == TRUNCATED_POISSON:
+        # q is the Poisson rate and B the cap; the accountant needs both (and n).
+        if sampling_probability is None or b is None:
+            raise ValueError(
+                "policy truncated_poisson needs sampling_probability (q) and sample_size (the cap B on the batch)"
+            )
+        if b < 1:
+            raise ValueError("policy truncated_poisson: sample_size (the cap B) must be >= 1")
         q = _prob(sampling_probability)
     else:
         if sampling_probability is None:
@@ -168,6 +215,77 @@ def _sample_entry(
         else:
             q = _prob(sampling_probability)
     return LedgerSample(sample, n, q, policy, b, seeded)
+
+
+def _allocation_entry(
+    sample: int, n: int, sampling_probability: Any, policy: str, b: Optional[int], seeded: bool,
+    round: Any, step_in_round: Any, round_steps: Any, round_selected: Any,
+) -> LedgerSample:
+    """A sample of an allocation policy: one step of a round of t steps in which every record
+    takes part in k of them. q is k/t, the rate at which a record takes part in a step."""
+    if any(v is None for v in (round, step_in_round, round_steps, round_selected)):
+        raise ValueError(f"policy {policy} needs round, step_in_round, round_steps and round_selected")
+    r = _int("round", round, 0)
+    t = _int("round_steps", round_steps, 1)
+    k = _int("round_selected", round_selected, 1)
+    s = _int("step_in_round", step_in_round, 0)
+    if k > t:
+        raise ValueError(f"round_selected must be <= round_steps = {t}, got {k}")
+    if s >= t:
+        raise ValueError(f"step_in_round must be < round_steps = {t}, got {s}")
+    if policy == BALLS_IN_BINS and k != 1:
+        raise ValueError(f"policy balls_in_bins puts every record in one step of the epoch: round_selected must be 1, got {k}")
+    if b is not None:
+        raise ValueError(f"policy {policy} has no sample_size (its batches vary in size)")
+    q = k / t
+    if sampling_probability is not None and _prob(sampling_probability) != q:
+        raise ValueError(f"sampling_probability {sampling_probability} differs from round_selected/round_steps = {q}")
+    return LedgerSample(sample, n, q, policy, None, seeded, round=r, step_in_round=s, round_steps=t, round_selected=k)
+
+
+def check_round(prev: Optional[LedgerSample], last_round: Optional[int], s: LedgerSample) -> Optional[str]:
+    """Why ``s`` cannot follow the ledger's samples, or None. ``prev`` is the ledger's last
+    sample and ``last_round`` the index of its last allocation round (None: none yet).
+
+    The accountant reads one event per allocation round (:mod:`._events`), which covers that
+    round's steps only if they are what the round's analysis assumes: a round's samples are
+    consecutive (nothing else released between them), at most t of them, in increasing order of
+    their step, with the same t, k, policy and population; round indices increase by one."""
+    if not s.allocation:
+        return None
+    if prev is not None and prev.allocation and prev.round == s.round:
+        if (prev.policy, prev.round_steps, prev.round_selected, prev.population_size) != (
+            s.policy, s.round_steps, s.round_selected, s.population_size
+        ):
+            return (
+                f"round {s.round} changes its sampler: {prev.policy} with t={prev.round_steps}, k={prev.round_selected} "
+                f"over {prev.population_size} records, then {s.policy} with t={s.round_steps}, k={s.round_selected} "
+                f"over {s.population_size}"
+            )
+        if s.step_in_round <= prev.step_in_round:  # type: ignore[operator]
+            return (
+                f"round {s.round}: step {s.step_in_round} follows step {prev.step_in_round}; a round's steps are "
+                "recorded once each, in order"
+            )
+        return None
+    expected = 0 if last_round is None else last_round + 1
+    if s.round != expected:
+        if s.round == last_round:
+            return (
+                f"round {s.round} is over (other samples followed its last step): a round's samples are "
+                f"consecutive; the next round is {expected}"
+            )
+        return f"round {s.round} out of sequence: round indices increase by one, the next round is {expected}"
+    return None
+
+
+def last_round_of(samples: Any) -> Optional[int]:
+    """The index of the last allocation round among ``samples`` (None: there is none)."""
+    runs = samples.runs() if isinstance(samples, SampleLog) else [(s, 1) for s in samples]
+    for s, _ in reversed(runs):
+        if s.allocation:
+            return s.round
+    return None
 
 
 # ----------------------------------------------------------------------------- MF streams
@@ -307,6 +425,8 @@ def _release_entries(
                 "seeded": sample.seeded,
             }
         )
+        if sample.allocation:  # only then: other entries keep the format every earlier reader accepts
+            entries[-1].update({k: getattr(sample, k) for k in ROUND_KEYS})
     for sid, text in (new_streams or {}).items():
         d = json.loads(text)
         entries.append(
@@ -373,6 +493,8 @@ class _Contents:
     privacy_unit: Optional[str] = None
     #: Matrix-factorization streams declared so far: id → canonical declaration text.
     streams: Dict[str, str] = field(default_factory=dict)
+    #: The index of the last allocation round read (None: none).
+    last_round: Optional[int] = None
 
 
 _SAMPLE_KEYS = ("type", "sample", "population_size", "sampling_probability", "policy", "sample_size", "seeded")
@@ -400,14 +522,21 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
     kind = obj.get("type")
     try:
         if kind == "sample":
-            _expect_keys(obj, _SAMPLE_KEYS, lineno, path)
+            allocation = obj.get("policy") in ALLOCATION_POLICIES
+            _expect_keys(obj, _SAMPLE_KEYS + ROUND_KEYS if allocation else _SAMPLE_KEYS, lineno, path)
             sid = _int("sample", obj["sample"], 0)
             if sid != len(c.samples):
                 raise ValueError(f"sample id {sid} out of sequence (expected {len(c.samples)})")
             s = _sample_entry(
-                sid, obj["population_size"], obj["sampling_probability"], obj["policy"], obj["sample_size"], obj["seeded"]
+                sid, obj["population_size"], obj["sampling_probability"], obj["policy"], obj["sample_size"], obj["seeded"],
+                *(obj[k] for k in ROUND_KEYS if allocation),
             )
+            why = check_round(c.samples[-1] if c.samples else None, c.last_round, s)
+            if why is not None:
+                raise ValueError(why)
             c.samples.append(s)
+            if s.allocation:
+                c.last_round = s.round
         elif kind == "mf_stream":
             _expect_keys(obj, ("type", "stream", "strategy", "participation", "steps"), lineno, path)
             stream = check_stream_id(obj["stream"])
@@ -545,6 +674,10 @@ def _same_but_id(a: LedgerSample, b: LedgerSample) -> bool:
         and a.seeded == b.seeded
         and a.queries == b.queries
         and a.non_private == b.non_private
+        and a.round == b.round
+        and a.step_in_round == b.step_in_round
+        and a.round_steps == b.round_steps
+        and a.round_selected == b.round_selected
     )
 
 
@@ -593,7 +726,8 @@ def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Content
         try:
             obj = _parse_line(tail, lineno, path)
             trial = _Contents(
-                c.samples.copy(), None, c.lines, c.valid_bytes, c.has_header, c.privacy_unit, dict(c.streams)
+                c.samples.copy(), None, c.lines, c.valid_bytes, c.has_header, c.privacy_unit, dict(c.streams),
+                c.last_round,
             )
             _apply(trial, obj, lineno, path)
         except LedgerError:
@@ -601,6 +735,7 @@ def _read(path: str, data: bytes, strict: bool, stacklevel: int = 4) -> _Content
         else:
             c.samples, counted = trial.samples, True
             c.has_header, c.privacy_unit, c.streams = trial.has_header, trial.privacy_unit, trial.streams
+            c.last_round = trial.last_round
         warnings.warn(
             msg + ("; the fragment is a complete entry and is counted." if counted else "; the fragment is not counted: "
                    f"{fragment[:120]!r}"),
