@@ -37,7 +37,7 @@ from .queries import (
     QuantileAdaptiveClipQuery,
     effective_noise_multiplier,
 )
-from .sampling import fixed_size_sample, poisson_sample
+from .sampling import fixed_size_sample, poisson_sample, truncated_poisson_sample
 from ._threads import limit_blas_spin
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "gaussian_noise",
     "limit_blas_spin",
     "poisson_sample",
+    "truncated_poisson_sample",
     "fixed_size_sample",
     "PrivateAggregator",
     "PrivacyLedger",
