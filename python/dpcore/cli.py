@@ -13,7 +13,8 @@
   ``strategy.to_dict()``, e.g. ``{"kind": "banded", "coefficients": [1.0, 0.6, 0.2]}``) adds
   its sensitivity and the stddev σ = z·S·sens to use (:mod:`dpcore.matrix_factorization`).
 * ``dpcore report LEDGER --delta D [--format markdown|json]``: the privacy report
-  (:meth:`dpcore.PrivacyLedger.report`).
+  (:meth:`dpcore.PrivacyLedger.report`); ``--study DIR_OR_FILE`` instead of a ledger: the
+  report of a hyperparameter-tuning study (:class:`dpcore.study.Study`).
 * ``dpcore plot LEDGER --delta D -o eps.png``: ε against steps under PLD and RDP
   (:meth:`dpcore.PrivacyLedger.epsilon_curve`; needs ``dpcore[plot]``).
 * ``dpcore audit -z Z``: a one-run privacy audit of the mechanism (:mod:`dpcore.audit`).
@@ -197,10 +198,89 @@ def _mf_text(out: Dict[str, Any]) -> str:
     return text
 
 
+def _sampler_kw(args: argparse.Namespace, parser: argparse.ArgumentParser, sampler: str) -> Dict[str, Any]:
+    """The keyword arguments of :func:`dpcore.accounting.sampler_event` for ``sampler``."""
+    if sampler == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
+        parser.error("--sampler truncated_poisson needs --population-size and --max-batch-size")
+    return {
+        "sampling_probability": args.q,
+        "population_size": args.population_size if sampler == "truncated_poisson" else None,
+        "max_batch_size": args.max_batch_size if sampler == "truncated_poisson" else None,
+        "num_selected": args.num_selected if sampler == "random_allocation" else 1,
+    }
+
+
+def _check_sampler_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
+    """The sampler asked for (None: Poisson DP-SGD as before), its options checked."""
+    sampler = getattr(args, "sampler", None)
+    if sampler is None or sampler == "poisson":
+        for flag in ("max_batch_size", "population_size"):
+            if getattr(args, flag, None) is not None:
+                parser.error(f"--{flag.replace('_', '-')} is an option of --sampler truncated_poisson (or all)")
+        if getattr(args, "num_selected", 1) != 1:
+            parser.error("--num-selected is an option of --sampler random_allocation (or all)")
+        return None
+    if args.mechanism == "mf":
+        parser.error("--sampler is for DP-SGD; matrix-factorization mechanisms use cyclic schemas (--min-separation)")
+    if args.q is None:
+        parser.error("--sampler needs -q (the rate: q, or k/t and 1/b for the allocation samplers)")
+    return sampler
+
+
+def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, steps: int) -> Dict[str, Any]:
+    """ε of the same (q, σ, steps) under every sampler that the arguments allow, beside
+    Poisson's (``dpcore epsilon --sampler all``)."""
+    from .accounting.samplers import GUARANTEES, SAMPLERS, default_accountant, sampler_epsilon
+
+    rows = []
+    for name in SAMPLERS:
+        if name == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
+            continue
+        if name == "random_allocation" and args.num_selected == 1:
+            continue  # k = 1 is balls-in-bins
+        acct = default_accountant(name, args.accountant)
+        try:
+            eps = sampler_epsilon(name, args.z, steps, args.delta, accountant=acct, **_sampler_kw(args, parser, name))
+        except ValueError as e:
+            rows.append({"sampler": name, "error": str(e)})
+            continue
+        rows.append({"sampler": name, "epsilon": eps, "accountant": acct, "guarantee": GUARANTEES[name]})
+    poisson = next(r["epsilon"] for r in rows if r["sampler"] == "poisson")
+    lines = [f"ε at δ = {args.delta:g} after {steps} steps, q = {args.q:g}, σ = {args.z:g}:"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['sampler']:<18} n/a ({r['error']})")
+            continue
+        r["ratio_to_poisson"] = r["epsilon"] / poisson if poisson > 0 else math.inf
+        lines.append(f"  {r['sampler']:<18} {r['epsilon']:<10.6g} ({r['accountant']}; {r['ratio_to_poisson']:.3g}× Poisson) {r['guarantee']}")
+    return {"delta": args.delta, "steps": steps, "sampling_probability": args.q, "noise_multiplier": args.z,
+            "samplers": rows, "text": "\n".join(lines)}
+
+
 def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     steps = _steps_of(args, parser, args.q)
     if steps is None:
         parser.error("give --steps or --epochs")
+    sampler = _check_sampler_args(args, parser)
+    if sampler == "all":
+        with _Spinner("accounting"):
+            return sampler_table(args, parser, steps)
+    if sampler is not None:
+        from .accounting.samplers import GUARANTEES, default_accountant, sampler_epsilon
+
+        acct = default_accountant(sampler, args.accountant)
+        with _Spinner("accounting"):
+            eps = sampler_epsilon(sampler, args.z, steps, args.delta, accountant=acct, **_sampler_kw(args, parser, sampler))
+            poisson = sampler_epsilon("poisson", args.z, steps, args.delta, sampling_probability=args.q)
+        return {
+            "epsilon": eps, "accountant": acct, "delta": args.delta, "sampler": sampler, "sampling_probability": args.q,
+            "noise_multiplier": args.z, "steps": steps, "epsilon_poisson_same_rate": poisson,
+            "text": (
+                f"ε = {eps:.6g} at δ = {args.delta:g} ({acct}) after {steps} steps of {sampler} sampling, q = {args.q:g}, "
+                f"σ = {args.z:g}\n  Poisson sampling at the same rate: ε = {poisson:.6g} (pld)\n  {GUARANTEES[sampler]}"
+            ),
+        }
+    args.accountant = args.accountant or "pld"
     if args.mechanism == "mf":
         part = _participation(args)
         strategy = _strategy(args.strategy, part)
@@ -228,6 +308,12 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from .accounting import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
 
     steps = _steps_of(args, parser, args.q)
+    sampler = _check_sampler_args(args, parser)
+    if sampler == "all":
+        parser.error("--sampler all is for `dpcore epsilon`; calibrate for one sampler")
+    if sampler is not None:
+        return _calibrate_sampler(args, parser, sampler, steps)
+    args.accountant = args.accountant or "pld"
     if args.mechanism == "mf":
         return _calibrate_mf(args, parser, steps)
     given = [args.q is not None, args.z is not None, steps is not None]
@@ -252,6 +338,32 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             out.update(steps=t, sampling_probability=args.q, noise_multiplier=args.z)
             text = f"steps = {t} (q = {args.q:g}, σ = {args.z:g}; {t * args.q:.4g} epochs)"
     out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({args.accountant})"
+    return out
+
+
+def _calibrate_sampler(args: argparse.Namespace, parser: argparse.ArgumentParser, sampler: str, steps: Optional[int]) -> Dict[str, Any]:
+    """Noise multiplier or steps for a target ε under one sampler's own accounting (the rate
+    -q fixes the sampler's batches, so it is not calibrated here)."""
+    from .accounting.samplers import calibrate_sampler_noise, calibrate_sampler_steps, default_accountant
+
+    if (args.z is None) == (steps is None):
+        parser.error(f"--sampler {sampler}: give -q and one of -z and --steps/--epochs; the other is calibrated")
+    acct = default_accountant(sampler, args.accountant)
+    kw = _sampler_kw(args, parser, sampler)
+    out: Dict[str, Any] = {"epsilon": args.epsilon, "delta": args.delta, "accountant": acct, "sampler": sampler,
+                           "sampling_probability": args.q}
+    with _Spinner("calibrating"):
+        if args.z is None:
+            z = calibrate_sampler_noise(args.epsilon, args.delta, sampler, steps, accountant=acct, **kw)
+            out.update(noise_multiplier=z, steps=steps)
+            text = f"noise multiplier σ = {z:.6g} ({sampler} sampling, q = {args.q:g}, {steps} steps)"
+        else:
+            t = calibrate_sampler_steps(args.epsilon, args.delta, sampler, args.z, accountant=acct, **kw)
+            if t <= 0:
+                raise DataError(f"not even one step (or round) stays within ε = {args.epsilon:g} at q = {args.q:g}, σ = {args.z:g}")
+            out.update(steps=t, noise_multiplier=args.z)
+            text = f"steps = {t} ({sampler} sampling, q = {args.q:g}, σ = {args.z:g}; {t * args.q:.4g} epochs)"
+    out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({acct})"
     return out
 
 
@@ -295,6 +407,12 @@ def _load(path: str) -> Any:
 
 def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     fmt = "json" if args.json else args.format
+    if args.study is not None:
+        if args.ledger is not None:
+            parser.error("give a ledger or --study, not both")
+        return _study_report(args, fmt)
+    if args.ledger is None:
+        parser.error("give a ledger (or --study DIR_OR_FILE for a tuning study)")
     led = _load(args.ledger)
     with _Spinner("accounting the ledger"):
         try:
@@ -304,6 +422,22 @@ def _cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> An
     if fmt == "json":
         return rep.to_dict()
     return _Text(rep.to_markdown().rstrip("\n"))
+
+
+def _study_report(args: argparse.Namespace, fmt: str) -> Any:
+    """``dpcore report --study``: the report of a hyperparameter-tuning study (:mod:`dpcore.study`)."""
+    from .study import Study, StudyError
+
+    with _Spinner("accounting the study"):
+        try:
+            rep = Study.load(args.study).report(args.delta, neighboring=args.neighboring, accountant=args.accountant)
+        except StudyError as e:
+            raise DataError(str(e)) from None
+        except OSError as e:
+            raise DataError(f"{args.study}: {e.strerror or e}") from None
+    if fmt == "json":
+        return rep.to_dict()
+    return _Text(rep.to_text().rstrip("\n"))
 
 
 def _cmd_plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
@@ -432,6 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
+    def sampler_options(sp: argparse.ArgumentParser, allow_all: bool) -> None:
+        g = sp.add_argument_group(
+            "samplers (--sampler)",
+            "Account the sampler the run actually uses (default poisson): truncated_poisson (Poisson at q, capped "
+            "at --max-batch-size records of --population-size), balls_in_bins (each record in one of the epoch's "
+            "1/q batches), random_allocation (each record in --num-selected k of every k/q steps), shuffle (no "
+            "amplification)." + (" all: every sampler side by side with Poisson." if allow_all else ""),
+        )
+        from .accounting.samplers import SAMPLERS
+
+        g.add_argument("--sampler", choices=list(SAMPLERS) + (["all"] if allow_all else []), default=None)
+        g.add_argument("--population-size", type=_count("--population-size"), metavar="N")
+        g.add_argument("--max-batch-size", type=_count("--max-batch-size"), metavar="B")
+        g.add_argument("--num-selected", type=_count("--num-selected"), metavar="K", default=1)
+
     def mf_options(sp: argparse.ArgumentParser) -> None:
         g = sp.add_argument_group(
             "matrix factorization (--mechanism mf)",
@@ -458,7 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=_count("--steps"))
     e.add_argument("--epochs", type=_epochs, help="instead of --steps: ceil(epochs/q) steps (mf: epochs·B)")
     e.add_argument("--delta", type=_DELTA, required=True)
-    e.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    e.add_argument("--accountant", choices=["pld", "rdp"], default=None,
+                   help="default: pld, or the tightest certified accountant of --sampler")
+    sampler_options(e, allow_all=True)
     mf_options(e)
     common(e)
 
@@ -470,12 +621,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-z", "--noise-multiplier", dest="z", type=_Z)
     c.add_argument("--steps", type=_count("--steps"))
     c.add_argument("--epochs", type=_epochs)
-    c.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    c.add_argument("--accountant", choices=["pld", "rdp"], default=None,
+                   help="default: pld, or the tightest certified accountant of --sampler")
+    sampler_options(c, allow_all=False)
     mf_options(c)
     common(c)
 
     r = sub.add_parser("report", help="the privacy report of a ledger (Ponomareva et al. 2023, §5.3.3)")
-    r.add_argument("ledger")
+    r.add_argument("ledger", nargs="?")
+    r.add_argument("--study", metavar="DIR_OR_FILE",
+                   help="instead of a ledger: a hyperparameter-tuning study (a directory of run ledgers, or a study.json), "
+                        "accounted with its tuning (Papernot & Steinke 2022) and by composition")
     r.add_argument("--delta", type=_DELTA, required=True)
     r.add_argument("--format", choices=["markdown", "json"], default="markdown")
     r.add_argument("--neighboring", choices=["add_or_remove", "replace_one"], default="add_or_remove")

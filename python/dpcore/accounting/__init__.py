@@ -20,6 +20,14 @@ from .events import *  # noqa: F401,F403 (the accountant events, ACCOUNTANT_EVEN
 from ..events import ACCOUNTANT_EVENTS
 from .interop import from_dp_accounting, to_dp_accounting
 from .pld import PldAccountant
+from .tuning import draw_num_runs, rdp_repeat_and_select
+from .samplers import (
+    SAMPLERS,
+    calibrate_sampler_noise,
+    calibrate_sampler_steps,
+    sampler_epsilon,
+    sampler_event,
+)
 from .rdp import (
     DEFAULT_ORDERS,
     OrderRangeWarning,
@@ -46,6 +54,13 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_sampling_probability",
     "calibrate_steps",
+    "rdp_repeat_and_select",
+    "draw_num_runs",
+    "SAMPLERS",
+    "sampler_event",
+    "sampler_epsilon",
+    "calibrate_sampler_noise",
+    "calibrate_sampler_steps",
     "to_dp_accounting",
     "from_dp_accounting",
 ]

@@ -6,6 +6,7 @@ from typing import Any
 
 from .events import ComposedEvent, Event, GaussianEvent, NonPrivateEvent, PoissonSampledEvent
 from .events import SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
+from .events import RepeatAndSelectEvent
 
 
 def _dpa() -> Any:
@@ -37,6 +38,8 @@ def to_dp_accounting(event: Event) -> Any:
         return dpa.TruncatedSubsampledGaussianDpEvent(
             event.population_size, event.sampling_probability, event.max_sample_size, event.event.noise_multiplier
         )
+    if isinstance(event, RepeatAndSelectEvent):
+        return dpa.dp_event.RepeatAndSelectDpEvent(to_dp_accounting(event.event), event.mean, event.shape)
     raise TypeError(f"cannot translate {type(event).__name__}")
 
 
@@ -62,4 +65,6 @@ def from_dp_accounting(event: Any) -> Event:
         return TruncatedPoissonSampledEvent(
             event.sampling_probability, event.truncated_batch_size, event.dataset_size, GaussianEvent(event.noise_multiplier)
         )
+    if isinstance(event, dpa.dp_event.RepeatAndSelectDpEvent):
+        return RepeatAndSelectEvent(from_dp_accounting(event.event), event.mean, event.shape)
     raise TypeError(f"cannot translate {type(event).__name__}")

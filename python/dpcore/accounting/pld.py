@@ -31,6 +31,7 @@ from typing import Dict, Optional, Tuple
 from .. import _core
 from ..events import ComposedEvent, Event, DiscreteGaussianEvent, GaussianEvent, NonPrivateEvent
 from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
+from ..events import RepeatAndSelectEvent
 from .base import PrivacyAccountant, UnsupportedEventError, check_delta, check_epsilon
 from .rdp import _count, _effective_noise
 
@@ -85,6 +86,11 @@ class PldAccountant(PrivacyAccountant):
             return None
         if isinstance(e, (NonPrivateEvent, GaussianEvent)):
             return None
+        if isinstance(e, RepeatAndSelectEvent):
+            return (
+                f"PldAccountant cannot analyse {type(e).__name__} (hyperparameter tuning: the best of a random number "
+                "of runs): its analysis (Papernot & Steinke 2022) is a Rényi DP bound; use RdpAccountant"
+            )
         if isinstance(e, DiscreteGaussianEvent) or isinstance(getattr(e, "event", None), DiscreteGaussianEvent):
             return (
                 "PldAccountant cannot analyse the discrete Gaussian mechanism: its privacy loss distribution is not "

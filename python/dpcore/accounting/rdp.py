@@ -35,6 +35,7 @@ from .. import _core
 from .base import PrivacyAccountant, UnsupportedEventError
 from .events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
 from .events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
+from ..events import RepeatAndSelectEvent
 from .._validate import count as _count, probability, real as _real
 
 #: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
@@ -214,6 +215,8 @@ class RdpAccountant(PrivacyAccountant):
         self._discrete: Dict[Tuple[float, float], int] = {}
         self._non_private = False
         self._group_rdp: Dict[Tuple[str, float, float], np.ndarray] = {}
+        # Hyperparameter tuning events (Papernot & Steinke 2022), by count: see `rdp`.
+        self._tuned: Dict[Event, int] = {}
 
     @property
     def orders(self) -> np.ndarray:
@@ -247,6 +250,8 @@ class RdpAccountant(PrivacyAccountant):
         for k, c in wor.items():
             self._wor[k] = self._wor.get(k, 0) + c
         self._non_private |= flags["non_private"]
+        for k, c in flags.get("tuned", {}).items():
+            self._tuned[k] = self._tuned.get(k, 0) + c
         return self
 
     def _walk(self, e: Event, count: int, poisson: dict, wor: dict, flags: dict, memo: dict, discrete: dict) -> None:
@@ -285,6 +290,13 @@ class RdpAccountant(PrivacyAccountant):
         elif isinstance(e, SampledWithoutReplacementEvent):
             why = "sampling without replacement is analysed under RdpAccountant(neighboring='replace_one')"
             self._tally_sampled(e, "replace_one", why, e.sample_size / e.source_size, wor, count, flags)
+        elif isinstance(e, RepeatAndSelectEvent):
+            # Hyperparameter tuning: the inner run's curve, transformed by Papernot & Steinke
+            # 2022 (dpcore.accounting.tuning), is added in `rdp`. The inner event is walked here
+            # so that one this accountant cannot analyse is refused now.
+            RdpAccountant(self._orders, self._neighboring)._walk(e.event, 1, {}, {}, {"non_private": False}, {}, {})
+            tuned = flags.setdefault("tuned", {})
+            tuned[e] = tuned.get(e, 0) + count
         else:
             raise UnsupportedEventError(f"RdpAccountant cannot analyse {type(e).__name__} events")
 
@@ -351,6 +363,13 @@ class RdpAccountant(PrivacyAccountant):
             + [(("w",) + k, c) for k, c in self._wor.items()]
             + [(("d",) + k, c) for k, c in self._discrete.items()]
         )
+        if self._tuned:
+            from .tuning import repeat_and_select_rdp
+
+            for e in self._tuned:
+                if ("t", e) not in self._group_rdp:
+                    self._group_rdp[("t", e)] = repeat_and_select_rdp(e, self._orders, self._neighboring)
+            groups += [(("t", e), c) for e, c in self._tuned.items()]
         for key, c in groups:
             r = self._group_rdp[key]
             total += np.where(r == 0, 0.0, c * r)
@@ -363,9 +382,9 @@ class RdpAccountant(PrivacyAccountant):
         ε = inf when no finite guarantee exists (e.g. δ = 0 or a non-private event)."""
         delta = _delta(delta)
         p, w = self._groups()
-        if any(c > 0 for c in self._discrete.values()):
+        if any(c > 0 for c in self._discrete.values()) or self._tuned:
             # The continuous search between orders knows only the continuous analyses: with
-            # discrete groups, the minimum over the grid (still an upper bound).
+            # discrete groups or tuning, the minimum over the grid (still an upper bound).
             return epsilon_from_rdp(self._orders, self.rdp, delta)
         eps, order, at_edge = _core.epsilon_composition(
             p, w, self._non_private, self._orders.tolist(), delta, self.rdp.tolist()
@@ -384,7 +403,7 @@ class RdpAccountant(PrivacyAccountant):
         if not eps >= 0:
             raise ValueError(f"epsilon must be >= 0, got {eps}")
         p, w = self._groups()
-        if any(c > 0 for c in self._discrete.values()):
+        if any(c > 0 for c in self._discrete.values()) or self._tuned:
             return _delta_from_rdp_grid(self._orders, self.rdp, eps)
         d, order, at_edge = _core.delta_composition(p, w, self._non_private, self._orders.tolist(), eps, self.rdp.tolist())
         _warn_edge(at_edge, order, self._orders)

@@ -40,7 +40,8 @@ ASSUMPTIONS = (
     "Samples drawn with a test seed void the guarantee: a seeded sample is predictable, so the "
     "amplification counted for it does not hold.",
     "Hyperparameter tuning is not included: runs made to choose the hyperparameters cost privacy too, "
-    "and are not in this ledger.",
+    "and are not in this ledger; account the tuning runs and this one together with `dpcore report --study` "
+    "(dpcore.study.Study: Papernot & Steinke 2022).",
     "Each record is one {unit}, and the population size is the number of records the sampler drew from.",
     "The noise and the sampling come from ChaCha20 keyed from the operating system (no test seed).",
 )
@@ -77,6 +78,10 @@ class PrivacyReport:
     assumptions: Tuple[str, ...] = field(default=())
     #: The matrix-factorization streams, one dict each (see :func:`stream_summary`).
     streams: Tuple[Dict[str, Any], ...] = ()
+    #: The sampling policies that ran, one dict each (see :func:`sampler_summary`).
+    samplers: Tuple[Dict[str, Any], ...] = ()
+    #: For a ledger with shuffled batches: the sampler to switch to, and the ε it would give.
+    suggestion: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -93,6 +98,8 @@ class PrivacyReport:
             "samples": self.samples,
             "segments": [dict(s) for s in self.segments],
             "mf_streams": [dict(s) for s in self.streams],
+            "samplers": [dict(s) for s in self.samplers],
+            "suggestion": self.suggestion,
             "noise_multiplier": [_num(z) for z in self.noise_multiplier],
             "effective_noise_multiplier": _num(self.effective_noise_multiplier),
             "assumptions": list(self.assumptions),
@@ -149,6 +156,13 @@ class PrivacyReport:
                     f"{m['participations']} | {_fmt(m['sensitivity'])} | {_fmt(m['noise_multiplier'])} | "
                     f"{_fmt(m['effective_noise_multiplier'])} | {m['amplification']} |"
                 )
+        if self.samplers:
+            out += ["", "## Samplers", "", "| policy | steps | what the accountant assumes | amplification | event (accountant) |",
+                    "|---|---|---|---|---|"]
+            for m in self.samplers:
+                out.append(f"| {m['policy']} | {m['steps']} | {m['assumes']} | {m['amplification']} | {m['event']} |")
+        if self.suggestion:
+            out += ["", "**Sampler:** " + self.suggestion]
         out += ["", "## Assumptions", ""] + [f"- {a}" for a in self.assumptions]
         out += ["", "## Warnings", ""] + ([f"- {w}" for w in self.warnings] or ["- none"])
         return "\n".join(out) + "\n"
@@ -294,6 +308,8 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
     unit = ledger.privacy_unit
     path = ledger.path
     sha = file_sha256(path) if os.path.isfile(path) else ""
+    samplers = sampler_summary(segs)
+    suggestion = shuffle_suggestion(segs, delta, eps) if neighboring == "add_or_remove" else None
     return PrivacyReport(
         epsilon=eps,
         delta=delta,
@@ -313,7 +329,121 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
         warnings=tuple(notes),
         assumptions=tuple(a.format(unit=unit) for a in ASSUMPTIONS + ((MF_ASSUMPTION,) if streams else ())),
         streams=tuple(streams),
+        samplers=tuple(samplers),
+        suggestion=suggestion,
     )
+
+
+#: What each sampling policy of the ledger means for the accountant: (what it assumes of the
+#: data pipeline, the amplification it gets, the event and accountant it is analysed with).
+POLICY_TEXT = {
+    "poisson": (
+        "each record in each step independently with probability q",
+        "Poisson subsampling",
+        "PoissonSampledEvent per step (PLD)",
+    ),
+    "truncated_poisson": (
+        "Poisson sampling at q, capped at b records (a uniformly random b of them when more are drawn)",
+        "Poisson subsampling, weakened where the cap binds",
+        "TruncatedPoissonSampledEvent per step (PLD)",
+    ),
+    "balls_in_bins": (
+        "each record in exactly one of the epoch's batches, chosen uniformly and independently",
+        "random allocation (1 of b)",
+        "BallsInBinsSampledEvent per epoch (certified Rényi bound)",
+    ),
+    "random_allocation": (
+        "each record in exactly k of every round's t steps, a uniformly random k-subset",
+        "random allocation (k of t)",
+        "RandomAllocationSampledEvent per round (certified Rényi bound)",
+    ),
+    "fixed_size_without_replacement": (
+        "b records drawn uniformly without replacement at each step",
+        "sampling without replacement (replace-one relation)",
+        "SampledWithoutReplacementEvent per step (RDP)",
+    ),
+    "shuffle": (
+        "batches of a shuffled (or fixed) order: not a random sample",
+        "none",
+        "GaussianEvent per step: a full Gaussian query on the data set",
+    ),
+    "cyclic": (
+        "fixed batches cut once, visited cyclically (matrix-factorization streams)",
+        "none (the stream's sensitivity covers the participations)",
+        "per matrix-factorization stream",
+    ),
+    "cyclic_poisson": (
+        "groups cut once, each record of the step's group with probability p",
+        "Poisson subsampling within the group",
+        "per matrix-factorization stream",
+    ),
+}
+
+
+def sampler_summary(segments: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One entry per sampling policy that released something: its steps and what the
+    accountant assumes of it (:data:`POLICY_TEXT`)."""
+    steps: Dict[str, int] = {}
+    for s in segments:
+        if s["releases"]:
+            steps[s["policy"]] = steps.get(s["policy"], 0) + s["releases"]
+    out = []
+    for policy, k in steps.items():
+        assumes, amp, event = POLICY_TEXT.get(policy, ("?", "?", "?"))
+        out.append({"policy": policy, "steps": k, "assumes": assumes, "amplification": amp, "event": event})
+    return out
+
+
+def shuffle_suggestion(segments: Sequence[Dict[str, Any]], delta: float, epsilon: float) -> Optional[str]:
+    """For a ledger whose private steps include shuffled batches (accounted without
+    amplification): the samplers that keep the batch shape and do get amplification, with the ε
+    the same steps would have had under them (same population, noise and expected batch size);
+    None when no step was shuffled. Only the shuffled steps are replaced; the rest of the
+    ledger is accounted as recorded."""
+    from .. import accounting as acc
+
+    shuffled = [s for s in segments if s["policy"] == "shuffle" and s["releases"]]
+    if not shuffled or not math.isfinite(epsilon):
+        return None
+    if any(s["effective_noise_multiplier"] in (None, 0.0) or not s["sample_size"] for s in shuffled):
+        return None
+
+    def other(s: Dict[str, Any], kind: str) -> Any:
+        n, b, z = s["population_size"], s["sample_size"], s["effective_noise_multiplier"]
+        if kind == "poisson":
+            return acc.sampler_event("poisson", z, s["releases"], sampling_probability=min(1.0, b / n))
+        nb = max(1, n // b)
+        return acc.sampler_event("balls_in_bins", z, s["releases"], sampling_probability=1.0 / nb)
+
+    # The comparison is made on the shuffled steps alone: that is what switching the sampler
+    # changes (the rest of the ledger would be accounted as recorded).
+    def eps_of(accountant: str, events: Any) -> Optional[float]:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return acc.make_accountant(accountant).compose(acc.ComposedEvent(tuple(events))).get_epsilon(delta)
+        except (ValueError, TypeError):
+            return None
+
+    alone = eps_of("pld", (acc.SelfComposedEvent(acc.GaussianEvent(s["effective_noise_multiplier"]), s["releases"]) for s in shuffled))
+    bins = eps_of("rdp", (other(s, "balls_in_bins") for s in shuffled))
+    poisson = eps_of("pld", (other(s, "poisson") for s in shuffled))
+    steps = sum(s["releases"] for s in shuffled)
+    text = f"{steps} step(s) used shuffled batches, which get no amplification"
+    text += f": those steps alone cost ε = {_fmt(alone)}." if alone is not None else "."
+    options = []
+    if bins is not None:
+        options.append(
+            f"ε = {_fmt(bins)} under balls-in-bins sampling (each record in one batch per epoch, as with shuffling; "
+            '`sampler="balls_in_bins"`)'
+        )
+    if poisson is not None:
+        options.append(
+            f'ε = {_fmt(poisson)} under Poisson sampling (`sampler="poisson"`, or `"truncated_poisson"` to cap the batch size)'
+        )
+    if options:
+        text += " With the same noise and expected batch size they would cost " + " or ".join(options) + "."
+    return text
 
 
 def stream_summary(account: StreamAccount) -> Dict[str, Any]:
