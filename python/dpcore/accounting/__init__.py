@@ -21,6 +21,7 @@ from ..events import ACCOUNTANT_EVENTS
 from .interop import from_dp_accounting, to_dp_accounting
 from .pld import PldAccountant
 from .tuning import draw_num_runs, rdp_repeat_and_select
+from .allocation import rdp_random_allocation
 from .samplers import (
     SAMPLERS,
     calibrate_sampler_noise,
@@ -55,6 +56,7 @@ __all__ = [
     "calibrate_sampling_probability",
     "calibrate_steps",
     "rdp_repeat_and_select",
+    "rdp_random_allocation",
     "draw_num_runs",
     "SAMPLERS",
     "sampler_event",

@@ -7,6 +7,7 @@ from typing import Any
 from .events import ComposedEvent, Event, GaussianEvent, NonPrivateEvent, PoissonSampledEvent
 from .events import SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
 from .events import RepeatAndSelectEvent
+from .events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
 
 
 def _dpa() -> Any:
@@ -37,6 +38,11 @@ def to_dp_accounting(event: Event) -> Any:
             raise TypeError("dp_accounting's truncated event holds a Gaussian; the inner event must be GaussianEvent")
         return dpa.TruncatedSubsampledGaussianDpEvent(
             event.population_size, event.sampling_probability, event.max_sample_size, event.event.noise_multiplier
+        )
+    if isinstance(event, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
+        raise TypeError(
+            f"cannot translate {type(event).__name__}: dp_accounting has no event for random allocation "
+            "(balls-in-bins) sampling; account it with dpcore.accounting.RdpAccountant"
         )
     if isinstance(event, RepeatAndSelectEvent):
         return dpa.dp_event.RepeatAndSelectDpEvent(to_dp_accounting(event.event), event.mean, event.shape)

@@ -32,6 +32,7 @@ from .. import _core
 from ..events import ComposedEvent, Event, DiscreteGaussianEvent, GaussianEvent, NonPrivateEvent
 from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
 from ..events import RepeatAndSelectEvent
+from ..events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
 from .base import PrivacyAccountant, UnsupportedEventError, check_delta, check_epsilon
 from .rdp import _count, _effective_noise
 
@@ -86,6 +87,12 @@ class PldAccountant(PrivacyAccountant):
             return None
         if isinstance(e, (NonPrivateEvent, GaussianEvent)):
             return None
+        if isinstance(e, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
+            return (
+                f"PldAccountant cannot analyse {type(e).__name__}: no certified PLD analysis of random allocation "
+                "(balls-in-bins) is implemented; use RdpAccountant (neighboring='add_or_remove'), which bounds its "
+                "Renyi DP (dpcore.accounting.allocation)"
+            )
         if isinstance(e, RepeatAndSelectEvent):
             return (
                 f"PldAccountant cannot analyse {type(e).__name__} (hyperparameter tuning: the best of a random number "

@@ -16,6 +16,10 @@ The math runs in Rust (``rust/accounting``):
   valid for any mechanism with that curve, is used at integer α, together with the
   unamplified curve (whichever is smaller); real α take the chord of the convex cumulant
   (α − 1)ε(α) between integers (Wang, Balle & Kasiviswanathan 2019, Corollary 10).
+* Random allocation of k of t steps and balls-in-bins (``RandomAllocationSampledEvent``,
+  ``BallsInBinsSampledEvent``), add-or-remove-one adjacency: whole rounds, exact at integer α
+  in the remove direction (Feldman & Shenfeld 2025, arXiv:2502.08202, Corollary 6.2), bounded
+  in the add direction; see :mod:`dpcore.accounting.allocation`. ε then comes from the grid.
 * Composition adds RDP (Mironov 2017, arXiv:1702.07476, Proposition 1).
 * RDP → (ε, δ): ε = r + log1p(−1/α) − (log δ + log α)/(α − 1) (Canonne, Kamath, Steinke 2020,
   arXiv:2004.00010, Proposition 12; Balle et al. 2020, arXiv:1905.09982, Theorem 21), minimised
@@ -36,6 +40,7 @@ from .base import PrivacyAccountant, UnsupportedEventError
 from .events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
 from .events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
 from ..events import RepeatAndSelectEvent
+from ..events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
 from .._validate import count as _count, probability, real as _real
 
 #: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
@@ -217,6 +222,8 @@ class RdpAccountant(PrivacyAccountant):
         self._group_rdp: Dict[Tuple[str, float, float], np.ndarray] = {}
         # Hyperparameter tuning events (Papernot & Steinke 2022), by count: see `rdp`.
         self._tuned: Dict[Event, int] = {}
+        # Random allocation / balls-in-bins rounds by (t, k, z): see `rdp`.
+        self._allocation: Dict[Tuple[int, int, float], int] = {}
 
     @property
     def orders(self) -> np.ndarray:
@@ -252,6 +259,8 @@ class RdpAccountant(PrivacyAccountant):
         self._non_private |= flags["non_private"]
         for k, c in flags.get("tuned", {}).items():
             self._tuned[k] = self._tuned.get(k, 0) + c
+        for k, c in flags.get("allocation", {}).items():
+            self._allocation[k] = self._allocation.get(k, 0) + c
         return self
 
     def _walk(self, e: Event, count: int, poisson: dict, wor: dict, flags: dict, memo: dict, discrete: dict) -> None:
@@ -297,6 +306,19 @@ class RdpAccountant(PrivacyAccountant):
             RdpAccountant(self._orders, self._neighboring)._walk(e.event, 1, {}, {}, {"non_private": False}, {}, {})
             tuned = flags.setdefault("tuned", {})
             tuned[e] = tuned.get(e, 0) + count
+        elif isinstance(e, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
+            # Whole rounds of random allocation (balls-in-bins: k = 1), their RDP from
+            # dpcore.accounting.allocation, added in `rdp`.
+            from .allocation import check_allocation_event
+
+            ra = check_allocation_event(e, self._neighboring)
+            z = self._inner_noise(ra.event, type(e).__name__, flags)
+            if z == 0:
+                flags["non_private"] = True
+            elif z is not None:
+                key = (ra.num_steps, ra.num_selected, z)
+                alloc = flags.setdefault("allocation", {})
+                alloc[key] = alloc.get(key, 0) + count
         else:
             raise UnsupportedEventError(f"RdpAccountant cannot analyse {type(e).__name__} events")
 
@@ -363,6 +385,13 @@ class RdpAccountant(PrivacyAccountant):
             + [(("w",) + k, c) for k, c in self._wor.items()]
             + [(("d",) + k, c) for k, c in self._discrete.items()]
         )
+        if self._allocation:
+            from .allocation import rdp_random_allocation
+
+            for k in self._allocation:
+                if ("a",) + k not in self._group_rdp:
+                    self._group_rdp[("a",) + k] = rdp_random_allocation(k[0], k[1], k[2], self._orders)
+            groups += [(("a",) + k, c) for k, c in self._allocation.items()]
         if self._tuned:
             from .tuning import repeat_and_select_rdp
 
@@ -382,9 +411,10 @@ class RdpAccountant(PrivacyAccountant):
         ε = inf when no finite guarantee exists (e.g. δ = 0 or a non-private event)."""
         delta = _delta(delta)
         p, w = self._groups()
-        if any(c > 0 for c in self._discrete.values()) or self._tuned:
+        if any(c > 0 for c in self._discrete.values()) or self._tuned or self._allocation:
             # The continuous search between orders knows only the continuous analyses: with
-            # discrete groups or tuning, the minimum over the grid (still an upper bound).
+            # discrete groups, tuning or random allocation, the minimum over the grid (still
+            # an upper bound).
             return epsilon_from_rdp(self._orders, self.rdp, delta)
         eps, order, at_edge = _core.epsilon_composition(
             p, w, self._non_private, self._orders.tolist(), delta, self.rdp.tolist()
@@ -403,7 +433,7 @@ class RdpAccountant(PrivacyAccountant):
         if not eps >= 0:
             raise ValueError(f"epsilon must be >= 0, got {eps}")
         p, w = self._groups()
-        if any(c > 0 for c in self._discrete.values()) or self._tuned:
+        if any(c > 0 for c in self._discrete.values()) or self._tuned or self._allocation:
             return _delta_from_rdp_grid(self._orders, self.rdp, eps)
         d, order, at_edge = _core.delta_composition(p, w, self._non_private, self._orders.tolist(), eps, self.rdp.tolist())
         _warn_edge(at_edge, order, self._orders)
