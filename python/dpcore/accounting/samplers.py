@@ -37,7 +37,7 @@ to 4×). Each sampler here is accounted by its own event and the analysis that f
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..events import (
     BallsInBinsSampledEvent,
@@ -168,6 +168,93 @@ def sampler_epsilon(
     return make_accountant(acct).compose(ev).get_epsilon(d)
 
 
+def calibrate_noise_for(
+    event_at: Callable[[float], Event],
+    target_epsilon: float,
+    target_delta: float,
+    accountant: str,
+    *,
+    start: Optional[float] = None,
+    rel: float = 1e-5,
+) -> float:
+    """The smallest noise multiplier z, to ``rel`` relative and from above, such that the event
+    ``event_at(z)`` is (``target_epsilon``, ``target_delta``)-DP under ``accountant``; ε must
+    fall as z grows (true of every sampled Gaussian here).
+
+    From ``start`` (e.g. the Poisson calibration at the same rate: cheap and close) the search
+    brackets the boundary between a z that misses the target and one that meets it, then
+    narrows the bracket by the Illinois variant of regula falsi on (log z, log ε) until its ends
+    are within ``rel``; the upper end is returned. Only a z whose ε was evaluated and met the
+    target is returned. A ledger recovers z from the recorded (C, z·C) by Eq. (1) of McMahan et
+    al. 2018 rounded down by a few ulps (:func:`dpcore.events.effective_noise_multiplier`), and
+    the ε it then reports must meet the target too: each z is evaluated 1e-12 lower than itself,
+    against the target lowered by 1e-9 relative (a PLD ε is not exactly monotone in z: its
+    discretisation moves it by ~1e-11 relative between neighbouring floats)."""
+    e = _real("target_epsilon", target_epsilon)
+    if not (e > 0 and math.isfinite(e)):
+        raise ValueError(f"target_epsilon must be finite and > 0, got {e}")
+    d = check_delta(target_delta)
+    check_accountant(accountant)
+    log_e = math.log(e) + math.log1p(-1e-9)
+
+    def f(lz: float) -> float:
+        """log ε − log target at z = exp(lz): > 0 misses the target, ≤ 0 meets it (NaN misses)."""
+        eps = make_accountant(accountant).compose(event_at(math.exp(lz) * (1.0 - 1e-12))).get_epsilon(d)
+        return math.inf if not eps <= math.inf else (math.log(eps) - log_e if eps > 0 else -math.inf)
+
+    lz, step = math.log(max(start if start and math.isfinite(start) else 1.0, 1e-3)), 0.1
+    fz = f(lz)
+    if fz > 0:  # misses: step up until it meets
+        bad, fb = lz, fz
+        while True:
+            good = bad + step
+            fg = f(good)
+            if fg <= 0:
+                break
+            bad, fb, step = good, fg, 2 * step
+            if good > math.log(1e6):
+                raise ValueError(f"no noise multiplier up to 1e6 reaches ε = {e:g} at δ = {d:g}")
+    else:  # meets: step down until it misses
+        good, fg = lz, fz
+        while True:
+            bad = good - step
+            fb = f(bad)
+            if fb > 0:
+                break
+            good, fg, step = bad, fb, 2 * step
+            if bad < math.log(1e-6):
+                return math.exp(good)
+    side = 0
+    while good - bad > math.log1p(rel):
+        x = 0.5 * (bad + good)
+        if math.isfinite(fb) and math.isfinite(fg) and fb != fg:
+            w = good - bad  # the secant's point, kept 1e-3·w inside the bracket
+            x = min(max((bad * fg - good * fb) / (fg - fb), bad + 1e-3 * w), good - 1e-3 * w)
+        fx = f(x)
+        if fx > 0:
+            bad, fb = x, fx
+            if side == -1:
+                fg *= 0.5
+            side = -1
+        else:
+            good, fg = x, fx
+            if side == 1:
+                fb *= 0.5
+            side = 1
+    return math.exp(good)
+
+
+def poisson_start(target_epsilon: float, target_delta: float, sampling_probability: float, steps: int) -> Optional[float]:
+    """The RDP calibration of Poisson sampling at the same rate (in the core, cheap): where the
+    other samplers' searches start."""
+    from .calibration import calibrate_noise_multiplier
+
+    try:
+        return calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probability, steps, accountant="rdp")
+    except (ValueError, RuntimeError):
+        return None
+
+
 def calibrate_sampler_noise(
     target_epsilon: float,
     target_delta: float,
@@ -181,43 +268,20 @@ def calibrate_sampler_noise(
     accountant: Optional[str] = None,
     rel: float = 1e-5,
 ) -> float:
-    """Smallest noise multiplier z (to ``rel`` relative, on the safe side) such that
-    :func:`sampler_epsilon` ≤ ``target_epsilon``. ε falls as z grows for every sampler here,
-    so a bisection on log z finds the boundary; the returned z is verified to meet the target."""
-    e = _real("target_epsilon", target_epsilon)
-    if not e > 0:
-        raise ValueError(f"target_epsilon must be > 0, got {e}")
-    d = check_delta(target_delta)
+    """Smallest noise multiplier z (to ``rel`` relative, from above) such that
+    :func:`sampler_epsilon` ≤ ``target_epsilon`` (:func:`calibrate_noise_for`)."""
     acct = default_accountant(sampler, accountant)
     kw = dict(
         sampling_probability=sampling_probability, population_size=population_size,
         max_batch_size=max_batch_size, num_selected=num_selected,
     )
     sampler_event(sampler, 1.0, steps, **kw)  # validates everything before the search
-
-    def eps(z: float) -> float:
-        return make_accountant(acct).compose(sampler_event(sampler, z, steps, **kw)).get_epsilon(d)
-
     if _count("steps", steps) == 0:
         return 0.0
-    hi = 1.0
-    while eps(hi) > e:
-        hi *= 2.0
-        if hi > 1e8:
-            raise ValueError(f"no noise multiplier up to 1e8 reaches ε = {e:g} at δ = {d:g}")
-    lo = hi / 2.0
-    while eps(lo) <= e:
-        hi, lo = lo, lo / 2.0
-        if lo < 1e-8:
-            return hi
-    # ε(lo) > e ≥ ε(hi): bisect on log z, keeping hi on the safe side.
-    while hi / lo - 1.0 > rel:
-        mid = math.sqrt(lo * hi)
-        if eps(mid) <= e:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    start = poisson_start(target_epsilon, target_delta, sampling_probability, steps)
+    return calibrate_noise_for(
+        lambda z: sampler_event(sampler, z, steps, **kw), target_epsilon, target_delta, acct, start=start, rel=rel
+    )
 
 
 def calibrate_sampler_steps(

@@ -30,10 +30,20 @@ from ..ledger import PrivacyLedger
 from ..queries import GaussianAverageQuery
 from ..queries.base import DPQuery
 from ..sampling import poisson_sample
-from ._data import CyclicBatches, PoissonBatches
+from ._data import (
+    BallsInBinsBatches,
+    CyclicBatches,
+    PoissonBatches,
+    RandomAllocationBatches,
+    SampledBatches,
+    TruncatedPoissonBatches,
+)
 from ._keras import DPModel, make_private, make_private_with_epsilon
 
-__all__ = ["make_private", "make_private_with_epsilon", "DPModel", "PoissonBatches", "CyclicBatches", "per_record_gradients", "DPTrainer"]
+__all__ = [
+    "make_private", "make_private_with_epsilon", "DPModel", "PoissonBatches", "CyclicBatches", "SampledBatches",
+    "TruncatedPoissonBatches", "BallsInBinsBatches", "RandomAllocationBatches", "per_record_gradients", "DPTrainer",
+]
 
 
 def per_record_gradients(model: tf.keras.Model, loss_fn: Callable[[Any, Any], Any], x: Any, y: Any) -> List[tf.Tensor]:

@@ -26,7 +26,10 @@ from .._validate import real as _real
 from ..queries.base import derive_seed
 from ..sampling import poisson_sample
 
-__all__ = ["PoissonBatches", "CyclicBatches"]
+__all__ = [
+    "PoissonBatches", "CyclicBatches", "SampledBatches", "TruncatedPoissonBatches", "BallsInBinsBatches",
+    "RandomAllocationBatches",
+]
 
 
 def _leading(name: str, tree: Any) -> int:
@@ -241,3 +244,230 @@ class CyclicBatches(tf.keras.utils.PyDataset):
         if self._sw is not None:
             out.append(tf.nest.map_structure(take, self._sw))
         return tuple(out)
+
+
+class SampledBatches(tf.keras.utils.PyDataset):
+    """The batches of a :mod:`dpcore.sampling` sampler over ``(x, y[, sample_weight])``, for
+    :meth:`DPModel.fit <dpcore.tensorflow.DPModel.fit>` only: :class:`TruncatedPoissonBatches`,
+    :class:`BallsInBinsBatches`, :class:`RandomAllocationBatches` (or
+    :meth:`DPModel.batches <dpcore.tensorflow.DPModel.batches>`, which builds the one a model
+    was made for).
+
+    Unlike :class:`PoissonBatches`, each batch is drawn by the DP train step itself, right before
+    its release, from the sampler (ChaCha20 keyed from the OS; ``seed`` for tests only), which
+    records it in the model's ledger with its own policy. Keras reads a ``PyDataset`` ahead of
+    training, peeks at batches to infer shapes, and may reorder them (``shuffle``); an
+    allocation round's steps must instead be released as the sampler draws them, every record
+    in exactly k of the round's t steps, with the ledger's round boundaries where the sampler's
+    are. What Keras reads from this dataset is therefore only the record structure (zero rows of
+    every array); the records of each step come from :meth:`draw`. ``len()`` is the sampler's
+    steps per epoch or round, so one Keras epoch is one balls-in-bins epoch or allocation round
+    when ``fit`` starts at a round boundary (the sampler keeps its rounds across epochs and
+    ``fit`` calls regardless). ``workers``, ``use_multiprocessing``, ``max_queue_size``: as for
+    any ``PyDataset`` (the batches Keras reads are empty, so they cost nothing).
+
+    The sampler is built without a ledger; :meth:`DPModel.fit` binds it to the model's ledger
+    on first use (a dataset is bound to one ledger for good).
+    """
+
+    kind = ""
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, args: dict, seed: Optional[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._x, self._y, self._sw, n = _records(x, y, sample_weight)
+        self._n, self._args, self._seed = n, dict(args), seed
+        self._sampler = self._build(None)
+        self._ledger: Any = None
+        self._in_fit = False
+        #: The record indices of the last step drawn (sorted int64), None before the first.
+        self.last_indices: Optional[np.ndarray] = None
+
+    @classmethod
+    def _sampler_class(cls) -> Any:
+        from .. import sampling
+
+        return {
+            "truncated_poisson": sampling.TruncatedPoissonSampler,
+            "balls_in_bins": sampling.BallsInBinsSampler,
+            "random_allocation": sampling.RandomAllocationSampler,
+        }[cls.kind]
+
+    @classmethod
+    def _probe(cls, n: int, args: dict) -> Any:
+        """A sampler of this kind over n records (no data, no ledger): its rate and expected batch."""
+        return cls._sampler_class()(n, *args.values())
+
+    @classmethod
+    def _with(cls, x: Any, y: Any, sample_weight: Any, args: dict, seed: Optional[int], **kwargs: Any) -> "SampledBatches":
+        """The batches of the sampler with the constructor arguments ``args`` (after n)."""
+        out = cls.__new__(cls)
+        SampledBatches.__init__(out, x, y, sample_weight, args, seed, **kwargs)
+        return out
+
+    def _build(self, ledger: Any) -> Any:
+        return self._sampler_class()(self._n, *self._args.values(), seed=self._seed, ledger=ledger)
+
+    @property
+    def sampler(self) -> Any:
+        """The :mod:`dpcore.sampling` sampler that draws the batches."""
+        return self._sampler
+
+    @property
+    def policy(self) -> str:
+        return self._sampler.policy
+
+    @property
+    def population_size(self) -> int:
+        return self._n
+
+    @property
+    def sampling_probability(self) -> float:
+        """A record's inclusion rate per step: q, 1/b or k/t."""
+        return float(self._sampler.sampling_probability)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The sampler's expected batch: the fixed denominator of the average (McMahan et al.
+        2018, §3) that the DPModel must divide by."""
+        return float(self._sampler.expected_batch_size)
+
+    @property
+    def max_batch_size(self) -> Optional[int]:
+        return self._sampler.max_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return int(self._sampler.steps_per_epoch)
+
+    @property
+    def seeded(self) -> bool:
+        return self._seed is not None
+
+    @property
+    def ledger(self) -> Any:
+        """The ledger the sampler records in (None until a :meth:`DPModel.fit` binds it)."""
+        return self._ledger
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def _bind(self, ledger: Any) -> None:
+        """Records the samples in ``ledger`` from now on (the first binding builds the sampler
+        anew with it: nothing was drawn before); another ledger later is refused."""
+        if self._ledger is None:
+            self._sampler = self._build(ledger)  # nothing was drawn before: draw() needs a ledger
+            self._ledger = ledger
+        elif self._ledger is not ledger:
+            raise ValueError(
+                f"these batches record their samples in the ledger {self._ledger.path!r}, not this model's "
+                f"({ledger.path!r}): make new batches for this model (model.batches(x, y))"
+            )
+
+    def _take(self, idx: Any) -> Any:
+        take = lambda a: a[idx]  # noqa: E731
+        out = [tf.nest.map_structure(take, self._x)]
+        if self._y is not None or self._sw is not None:
+            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+        if self._sw is not None:
+            out.append(tf.nest.map_structure(take, self._sw))
+        return tuple(out)
+
+    def draw(self) -> Any:
+        """The next step's ``(x, y[, sample_weight])``, drawn by the sampler and recorded in the
+        bound ledger (the DP train step calls it right before the release)."""
+        if self._ledger is None:
+            raise RuntimeError("these batches are drawn by DPModel.fit's train step (no ledger is bound yet)")
+        idx = self._sampler.draw()
+        self.last_indices = idx
+        return self._take(idx)
+
+    def __getitem__(self, index: int) -> Any:
+        if not self._in_fit:
+            raise TypeError(
+                f"{type(self).__name__} is drawn by dpcore's DPModel.fit at each release; it cannot be read as a "
+                "dataset of its own (use arrays for evaluate and predict)"
+            )
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch {index} out of range for {len(self)} batches")
+        return self._take(np.zeros(0, np.int64))  # the record structure only: see the class
+
+
+class TruncatedPoissonBatches(SampledBatches):
+    """Truncated Poisson batches (:class:`dpcore.sampling.TruncatedPoissonSampler`): each record
+    with probability q, capped at ``max_batch_size`` B records (a uniformly random B when more are
+    drawn); round(1/q) steps per epoch. ``sampling_probability`` q, or ``expected_batch_size``
+    q·n. Accounted by PLD (``TruncatedPoissonSampledEvent``). See :class:`SampledBatches`."""
+
+    kind = "truncated_poisson"
+
+    def __init__(
+        self, x: Any, y: Any = None, sample_weight: Any = None, *, sampling_probability: Optional[float] = None,
+        expected_batch_size: Optional[float] = None, max_batch_size: Optional[int] = None, seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        from .. import _adapters
+
+        n = _records(x, y, sample_weight)[3]
+        if (sampling_probability is None) == (expected_batch_size is None):
+            raise ValueError("give exactly one of sampling_probability and expected_batch_size")
+        bs = _real("expected_batch_size", expected_batch_size) if sampling_probability is None else (
+            _real("sampling_probability", sampling_probability) * n
+        )
+        args = _adapters.shape(self.kind, n, bs, max_batch_size=max_batch_size)
+        super().__init__(x, y, sample_weight, args, seed, **kwargs)
+
+
+class BallsInBinsBatches(SampledBatches):
+    """Balls-in-bins batches (:class:`dpcore.sampling.BallsInBinsSampler`; Chua et al. 2025,
+    arXiv 2412.16802): every epoch throws each record into one of ``num_batches`` b batches,
+    uniformly and independently (or b = round(n/``batch_size``)). Accounted by RDP
+    (``BallsInBinsSampledEvent``, one per epoch). See :class:`SampledBatches`."""
+
+    kind = "balls_in_bins"
+
+    def __init__(
+        self, x: Any, y: Any = None, sample_weight: Any = None, *, num_batches: Optional[int] = None,
+        batch_size: Optional[float] = None, seed: Optional[int] = None, **kwargs: Any,
+    ) -> None:
+        from .. import _adapters
+        from .._validate import count
+
+        n = _records(x, y, sample_weight)[3]
+        if (num_batches is None) == (batch_size is None):
+            raise ValueError("give exactly one of num_batches and batch_size")
+        if num_batches is None:
+            args = _adapters.shape(self.kind, n, _real("batch_size", batch_size))
+        else:
+            args = {"num_batches": count("num_batches", num_batches, 1)}
+        super().__init__(x, y, sample_weight, args, seed, **kwargs)
+
+
+class RandomAllocationBatches(SampledBatches):
+    """Random-allocation batches (:class:`dpcore.sampling.RandomAllocationSampler`; Feldman &
+    Shenfeld 2025, arXiv 2502.08202): in every round of ``num_steps`` t steps each record takes
+    part in exactly ``num_selected`` k of them, a uniformly random k-subset (or t =
+    round(n·k/``batch_size``)). Accounted by RDP (``RandomAllocationSampledEvent``, one per
+    round; a round cut short counts whole). See :class:`SampledBatches`."""
+
+    kind = "random_allocation"
+
+    def __init__(
+        self, x: Any, y: Any = None, sample_weight: Any = None, *, num_steps: Optional[int] = None,
+        num_selected: int = 1, batch_size: Optional[float] = None, seed: Optional[int] = None, **kwargs: Any,
+    ) -> None:
+        from .. import _adapters
+        from .._validate import count
+
+        n = _records(x, y, sample_weight)[3]
+        if (num_steps is None) == (batch_size is None):
+            raise ValueError("give exactly one of num_steps and batch_size")
+        k = count("num_selected", num_selected, 1)
+        if num_steps is None:
+            args = _adapters.shape(self.kind, n, _real("batch_size", batch_size), num_selected=k)
+        else:
+            args = {"num_steps": count("num_steps", num_steps, 1), "num_selected": k}
+        super().__init__(x, y, sample_weight, args, seed, **kwargs)
+
+
+#: The dataset class of each ``sampler=`` that a dpcore.sampling sampler draws.
+SAMPLED_BATCHES = {c.kind: c for c in (TruncatedPoissonBatches, BallsInBinsBatches, RandomAllocationBatches)}

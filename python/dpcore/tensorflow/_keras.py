@@ -30,7 +30,8 @@ from .._names import renamed
 from ..ledger import LedgerWarning, PrivacyLedger
 from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
 from ..queries.base import derive_seed
-from ._data import CyclicBatches, PoissonBatches
+from .. import _adapters
+from ._data import SAMPLED_BATCHES, CyclicBatches, PoissonBatches, SampledBatches
 from .._validate import count, positive as _number
 
 __all__ = ["DPModel", "make_private", "CLIPPING"]
@@ -55,6 +56,8 @@ class _Sampling:
     policy: str
     seeded: bool = False
     sample_size: Optional[int] = None
+    #: The SampledBatches that draws (and records) each step's batch in the train step.
+    source: Any = None
 
 
 class _Spec:
@@ -117,6 +120,21 @@ class DPModel(keras.Model):
     must hold each record at most once. Calling :meth:`train_step` outside ``fit``
     (``train_on_batch``) raises: its sampling is unknown.
 
+    ``sampler=`` fixes the sampling instead (:mod:`dpcore.accounting.samplers`; n =
+    ``population_size``, bs = ``expected_batch_size`` or q·n as requested):
+    ``"truncated_poisson"`` (q = bs/n, capped at ``max_batch_size`` B, required; ε by PLD),
+    ``"balls_in_bins"`` (b = round(n/bs) batches per epoch; Chua et al. 2025, arXiv
+    2412.16802) or ``"random_allocation"`` (each record in ``num_selected`` = k of every
+    round's t = round(n·k/bs) steps; Feldman & Shenfeld 2025, arXiv 2502.08202). The
+    denominator and :attr:`sampling_probability` become the sampler's (E[min(Bin(n, q), B)]
+    and q; n/b and 1/b; n·k/t and k/t, for the nearest whole b or t). ``fit`` then takes the
+    sampler's batches, :meth:`batches` ``(x, y)`` (a :class:`~dpcore.tensorflow.SampledBatches`):
+    each step's records are drawn in the train step right before the release and recorded with
+    the sampler's policy, whatever Keras reads ahead. The allocation samplers have a certified Rényi-DP analysis only, so
+    :meth:`get_epsilon` uses ``accountant="rdp"`` for them (the ledger would fall back to it,
+    with a warning). ``"poisson"`` requires :class:`PoissonBatches` in ``fit``; ``"shuffle"``
+    any other source (recorded as ``shuffle``, as above). Not with ``noise_mechanism``.
+
     The ``loss``/metrics that ``fit`` logs are computed on the raw batch, for monitoring; they
     are not privatized and must not be published as DP outputs. Layers with batch statistics
     (``BatchNormalization``) are rejected. Save the wrapped model (``.inner``), not the wrapper.
@@ -142,10 +160,39 @@ class DPModel(keras.Model):
         epochs: Optional[int] = None,
         participation: Any = None,
         batch_size: Optional[int] = None,
+        sampler: Optional[str] = None,
+        max_batch_size: Optional[int] = None,
+        num_selected: int = 1,
         **kwargs: Any,
     ) -> None:
         l2_norm_clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
         mf_cfg = None
+        if noise_mechanism is not None and (sampler is not None or max_batch_size is not None or num_selected != 1):
+            raise ValueError(
+                "sampler, max_batch_size and num_selected choose DP-SGD's sampling; matrix-factorization noise "
+                "(noise_mechanism=) trains over CyclicBatches instead"
+            )
+        kind = None if sampler is None else _adapters.resolve_sampler(sampler, None)
+        if kind is not None and kind not in _adapters.DRAWN:  # (the drawn ones: in _adapters.shape below)
+            _adapters.check_options(kind, max_batch_size, num_selected)
+        elif kind is None and (max_batch_size is not None or num_selected != 1):
+            raise ValueError("max_batch_size and num_selected configure sampler='truncated_poisson' / 'random_allocation'")
+        drawn = None
+        if kind in _adapters.DRAWN:
+            if population_size is None:
+                raise ValueError(f"sampler={kind!r} needs population_size (the records it draws from)")
+            if isinstance(population_size, bool) or not isinstance(population_size, numbers.Integral) or population_size < 1:
+                raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
+            if (sampling_probability is None) == (expected_batch_size is None):
+                raise ValueError(f"sampler={kind!r} needs exactly one of sampling_probability and expected_batch_size")
+            bs = (
+                _number("expected_batch_size", expected_batch_size) if sampling_probability is None
+                else _number("sampling_probability", sampling_probability) * int(population_size)
+            )
+            drawn = _adapters.shape(kind, int(population_size), bs, max_batch_size, num_selected)
+            probe = SAMPLED_BATCHES[kind]._probe(int(population_size), drawn)
+            # The denominator and rate are the sampler's own (n/b, k/t: the nearest whole b or t).
+            sampling_probability, expected_batch_size = float(probe.sampling_probability), None
         if noise_mechanism is not None:
             mf_cfg = _mf_config(
                 noise_mechanism, strategy=strategy, epochs=epochs, participation=participation, batch_size=batch_size,
@@ -208,8 +255,12 @@ class DPModel(keras.Model):
             sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
             _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
             _global_state=None, _template=None, _grad_fn=None, _mf=mf_cfg,
+            sampler=kind, _drawn=drawn, _accountant=None if kind is None else _adapters.default_accountant(kind),
         ).items():
             object.__setattr__(self, k, v)
+        if drawn is not None:
+            # the sampler's expected batch, exactly (E[min(Bin(n, q), B)], n/b or n·k/t)
+            object.__setattr__(self, "expected_batch_size", float(probe.expected_batch_size))
 
     # -- Keras plumbing -------------------------------------------------------------------
 
@@ -249,6 +300,12 @@ class DPModel(keras.Model):
         if self._mf is not None:
             sampling = self._mf_sampling(x, a, kwargs)
             bound.arguments["shuffle"] = False  # the cycle's order: batch i of every epoch is batch i
+        elif isinstance(x, SampledBatches) or self.sampler in _adapters.DRAWN:
+            sampling = self._drawn_sampling(x)
+        elif self.sampler == "poisson" and not isinstance(x, PoissonBatches):
+            raise TypeError(f"this DPModel was made with sampler='poisson': fit() takes PoissonBatches, got {type(x).__name__}")
+        elif self.sampler == "shuffle" and isinstance(x, PoissonBatches):
+            raise TypeError("this DPModel was made with sampler='shuffle': fit() takes arrays or a dataset, not PoissonBatches")
         elif isinstance(x, CyclicBatches):
             raise TypeError("CyclicBatches are for matrix-factorization noise: build the DPModel with noise_mechanism=")
         elif isinstance(x, PoissonBatches):
@@ -279,10 +336,62 @@ class DPModel(keras.Model):
             sampling = _Sampling(n, min(1.0, a["batch_size"] / n), "shuffle")
             self._warn_shuffle("arrays with batch_size")
         object.__setattr__(self, "_sampling", sampling)
+        src = sampling.source
+        if src is not None:
+            src._in_fit = True
         try:
             return super().fit(*bound.args[1:], **bound.kwargs)
         finally:
             object.__setattr__(self, "_sampling", None)
+            if src is not None:
+                src._in_fit = False
+
+    def _drawn_sampling(self, x: Any) -> "_Sampling":
+        """The sampling of a fit on :class:`SampledBatches`: checked against this model (its
+        sampler, or with none given its denominator), bound to the ledger."""
+        if not isinstance(x, SampledBatches):
+            raise TypeError(
+                f"this DPModel was made with sampler={self.sampler!r}: fit() takes its batches, model.batches(x, y) "
+                f"(a dpcore.tensorflow.{SAMPLED_BATCHES[self.sampler].__name__}), got {type(x).__name__}"
+            )
+        if self.sampler is not None and self._drawn is None:
+            raise TypeError(f"this DPModel was made with sampler={self.sampler!r}; fit() got {type(x).__name__}")
+        if self.population_size is not None and x.population_size != self.population_size:
+            raise ValueError(
+                f"the {type(x).__name__} sample from {x.population_size} records, this DPModel from "
+                f"population_size={self.population_size}"
+            )
+        if self._drawn is not None:
+            want = {"policy": self.sampler, "population_size": self.population_size, **self._drawn}
+            got = {"policy": x.policy, "population_size": x.population_size, **x._args}
+            if got != want:
+                raise ValueError(
+                    f"the batches follow {got}, but this DPModel was made for {want}: use model.batches(x, y)"
+                )
+        if not math.isclose(x.expected_batch_size, self.expected_batch_size, rel_tol=1e-9):
+            raise ValueError(
+                f"the {type(x).__name__} have an expected batch of {x.expected_batch_size} but this DPModel divides by "
+                f"expected_batch_size = {self.expected_batch_size} (the fixed denominator must be the sampler's)"
+            )
+        x._bind(self.ledger)
+        if x.policy in _adapters.ALLOCATION:
+            object.__setattr__(self, "_accountant", "rdp")
+        return _Sampling(x.population_size, x.sampling_probability, x.policy, x.seeded, source=x)
+
+    def batches(self, x: Any, y: Any = None, sample_weight: Any = None, *, seed: Optional[int] = None, **kwargs: Any) -> Any:
+        """The :class:`~dpcore.tensorflow.SampledBatches` of this model's ``sampler`` over
+        ``(x, y[, sample_weight])`` (``len(x)`` must be ``population_size``), for :meth:`fit`.
+        ``seed``: tests only (a seeded sample is predictable: no privacy). ``kwargs``: the
+        ``PyDataset`` options (``workers``, ...)."""
+        if self._drawn is None:
+            raise ValueError(
+                "batches() builds the batches of sampler='truncated_poisson', 'balls_in_bins' or 'random_allocation'; "
+                f"this DPModel has sampler={self.sampler!r} (use PoissonBatches)"
+            )
+        out = SAMPLED_BATCHES[self.sampler]._with(x, y, sample_weight, self._drawn, seed, **kwargs)
+        if out.population_size != self.population_size:
+            raise ValueError(f"x has {out.population_size} records, this DPModel samples from population_size={self.population_size}")
+        return out
 
     def _mf_sampling(self, x: Any, a: Any, kwargs: Any) -> "_Sampling":
         cfg = self._mf
@@ -339,7 +448,11 @@ class DPModel(keras.Model):
         return self._releases
 
     def get_epsilon(self, delta: float, **kw: Any) -> float:
-        """ε of everything recorded in the ledger at ``delta`` (an upper bound)."""
+        """ε of everything recorded in the ledger at ``delta`` (an upper bound). The accountant
+        defaults to the sampler's (``"rdp"`` for the allocation samplers, their only certified
+        analysis), else the ledger's default (PLD)."""
+        if self._accountant is not None and "accountant" not in kw:
+            kw["accountant"] = self._accountant
         return self.ledger.get_epsilon(delta, **kw)
 
     # -- the DP step ----------------------------------------------------------------------
@@ -421,6 +534,10 @@ class DPModel(keras.Model):
                 "fit(PoissonBatches(...)) (or dpcore.tensorflow.DPTrainer for a hand-written loop)"
             )
         self._setup()
+        if sampling.source is not None:
+            # Drawn now, right before the release, and recorded in the ledger by the sampler
+            # (Keras's ``data`` holds the record structure only: see SampledBatches).
+            data = sampling.source.draw()
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rec = {"x": x}
         if y is not None:
@@ -441,10 +558,11 @@ class DPModel(keras.Model):
             state = q.accumulate_records(params, state, records)  # core clip; raises on NaN/inf
             losses.append(loss)
             preds.append(y_pred)
-        self.ledger.record_sample(
-            sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
-            sample_size=sampling.sample_size,
-        )
+        if sampling.source is None:
+            self.ledger.record_sample(
+                sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
+                sample_size=sampling.sample_size,
+            )
         result, new_gs, event = q.get_noised_result(state, gs, seed=derive_seed(self._seed, self._releases))
         self.ledger.record_release(event)  # durable before the update (McMahan et al. 2018, §6)
         object.__setattr__(self, "_global_state", new_gs)
@@ -543,6 +661,9 @@ def make_private(
     epochs: Optional[int] = None,
     participation: Any = None,
     batch_size: Optional[int] = None,
+    sampler: Optional[str] = None,
+    max_batch_size: Optional[int] = None,
+    num_selected: int = 1,
 ) -> DPModel:
     """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
     (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
@@ -564,6 +685,14 @@ def make_private(
                           noise_mechanism="blt", epochs=5, population_size=len(x), batch_size=64)
         dp.compile(loss=...)
         dp.fit(CyclicBatches(x, y, batch_size=64), epochs=5)
+
+    Other samplers (``sampler=``, ``max_batch_size``, ``num_selected``; see :class:`DPModel`)::
+
+        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.0, max_grad_norm=1.0,
+                          population_size=len(x), expected_batch_size=64, sampler="balls_in_bins")
+        dp.compile(loss=...)
+        dp.fit(dp.batches(x, y), epochs=5)
+        eps = dp.get_epsilon(1e-5)           # RDP: the allocation samplers' certified analysis
     """
     return DPModel(
         model,
@@ -582,6 +711,9 @@ def make_private(
         epochs=epochs,
         participation=participation,
         batch_size=batch_size,
+        sampler=sampler,
+        max_batch_size=max_batch_size,
+        num_selected=num_selected,
     )
 
 
@@ -595,7 +727,7 @@ def make_private_with_epsilon(
     max_grad_norm: Any = None,
     population_size: int,
     sampling_probability: Optional[float] = None,
-    accountant: str = "pld",
+    accountant: Optional[str] = None,
     l2_norm_clip: Any = None,
     **kwargs: Any,
 ) -> "DPModel":
@@ -609,11 +741,51 @@ def make_private_with_epsilon(
     With ``noise_mechanism=`` (and ``batch_size`` or ``participation``; no
     ``sampling_probability``) the *effective* noise multiplier of the matrix-factorization run
     is calibrated for its epochs·b planned steps
-    (:func:`dpcore.matrix_factorization.calibrate_noise_multiplier`)."""
+    (:func:`dpcore.matrix_factorization.calibrate_noise_multiplier`).
+
+    With ``sampler=`` (see :class:`DPModel`; ``sampling_probability`` or ``expected_batch_size``
+    gives the batch size) σ is calibrated with that sampler's own accounting: the smallest z
+    (to 1e-5 relative, from above: :func:`dpcore._adapters.calibrate`) whose
+    ``sampler.accountant_event(z, steps)`` meets the target under its accountant (default PLD for truncated Poisson, RDP for the allocation
+    samplers, for which ``accountant="pld"`` is refused), for ``epochs`` × round(1/q)
+    truncated-Poisson steps, ``epochs`` balls-in-bins epochs, or ⌈epochs/k⌉ allocation rounds
+    (a round is k passes; a round cut short counts whole). ``sampler="shuffle"``: ``epochs`` ×
+    ⌈n/round(q·n)⌉ full-batch Gaussian steps (no amplification), as ``fit`` on arrays records."""
     from .. import accounting
 
     clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
     epochs = count("epochs", epochs, 1)
+    if "noise_multiplier" in kwargs:
+        raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
+    kind = kwargs.get("sampler")
+    if kind is not None and kwargs.get("noise_mechanism") is None:
+        kind = _adapters.resolve_sampler(kind, None)
+        n = count("population_size", population_size, 1)
+        ebs = kwargs.get("expected_batch_size")
+        if (sampling_probability is None) == (ebs is None):
+            raise TypeError(f"make_private_with_epsilon with sampler={kind!r} needs sampling_probability or expected_batch_size")
+        bs = _number("expected_batch_size", ebs) if sampling_probability is None else (
+            _number("sampling_probability", sampling_probability) * n
+        )
+        if kind in _adapters.DRAWN:
+            args = _adapters.shape(kind, n, bs, kwargs.get("max_batch_size"), kwargs.get("num_selected", 1))
+            probe = SAMPLED_BATCHES[kind]._probe(n, args)
+            acct = _adapters.calibration_accountant(kind, accountant)
+            z = _adapters.calibrate(probe, target_epsilon, target_delta, _adapters.planned_steps(probe, epochs), acct)
+        else:
+            q = min(1.0, bs / n)
+            if kind == "shuffle":
+                q, steps = 1.0, epochs * -(-n // max(1, round(bs)))
+            else:
+                steps = epochs * max(1, round(1.0 / q))
+            z = accounting.calibrate_noise_multiplier(
+                target_epsilon, target_delta, q, steps, accountant="pld" if accountant is None else accountant
+            )
+        return make_private(
+            model, optimizer, noise_multiplier=z, max_grad_norm=clip, population_size=n,
+            sampling_probability=sampling_probability, **kwargs,
+        )
+    accountant = "pld" if accountant is None else accountant
     if kwargs.get("noise_mechanism") is not None:
         from ..matrix_factorization import calibrate_noise_multiplier as mf_calibrate
 

@@ -40,10 +40,12 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader
 
+from .. import _adapters
 from .._validate import count
 from ..ledger import PrivacyLedger
 from ._cyclic import CyclicDataLoader, FixedOrderLoader
 from ._data import DPDataLoader
+from ._samplers import SamplerDataLoader, refuse_distributed
 from ._distributed import DistributedError, current_communicator, resolve_ledger
 from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin, replace_batchnorm
 from ._rules import LayerRule, register_layer
@@ -54,6 +56,7 @@ __all__ = [
     "make_private_with_epsilon",
     "DPOptimizer",
     "DPDataLoader",
+    "SamplerDataLoader",
     "CyclicDataLoader",
     "FixedOrderLoader",
     "PlannedStepsWarning",
@@ -94,6 +97,9 @@ def make_private(
     epochs: Optional[int] = None,
     participation: Any = None,
     keep_loader: bool = False,
+    sampler: Optional[str] = None,
+    max_batch_size: Optional[int] = None,
+    num_selected: int = 1,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
 
@@ -106,6 +112,34 @@ def make_private(
     one included) and every batch is recorded as a ``shuffle`` sample: accounted without
     amplification (``get_epsilon`` warns with a ``LedgerWarning``), the average divided by the
     loader's ``batch_size``. ``seed`` is for tests only (no privacy).
+
+    **Samplers.** ``sampler=`` picks how each logical batch is drawn from the n records, for
+    the DataLoader's ``batch_size`` bs (the expected batch); each sample is recorded in the
+    ledger with the sampler's own policy, and ``optimizer.get_epsilon(delta)`` is that
+    sampler's certified ε (see :mod:`dpcore.accounting.samplers`):
+
+    * ``"poisson"`` (the default; ``poisson_sampling=True``): the :class:`DPDataLoader` above.
+    * ``"truncated_poisson"``: Poisson at q = bs/n, capped at ``max_batch_size`` B (required;
+      a value a few standard deviations above q·n, e.g. ceil(q·n + 4·sqrt(q·n·(1 − q))),
+      binds rarely and costs almost no privacy): a step never holds more than B records. ε by
+      PLD (``TruncatedPoissonSampledEvent``, arXiv 2508.15089).
+    * ``"balls_in_bins"``: each epoch throws every record into one of b = round(n/bs) batches
+      (Chua et al. 2025, arXiv 2412.16802): every record is trained on exactly once per epoch.
+    * ``"random_allocation"``: every record takes part in exactly ``num_selected`` = k of each
+      round's t = round(n·k/bs) steps, a uniformly random k-subset (Feldman & Shenfeld 2025,
+      arXiv 2502.08202); ``len(loader)`` is t (k passes over the data).
+    * ``"shuffle"`` (``poisson_sampling=False``): the DataLoader's own batches, described below.
+
+    The allocation samplers are certified by Rényi DP only (:mod:`dpcore.accounting.allocation`;
+    the PLD accountant refuses them), so ``get_epsilon`` uses ``accountant="rdp"`` for them
+    directly: the ledger would fall back to RDP anyway, with a warning. The three new samplers
+    make the loader a :class:`SamplerDataLoader` (``max_physical_batch_size`` works as for
+    Poisson), the optimizer's ``expected_batch_size`` (the average's fixed denominator) is the
+    sampler's expected batch (E[min(Bin(n, q), B)], n/b, n·k/t), and a checkpoint holds the
+    sampler's state: an allocation sampler restored from it starts a new round (the
+    interrupted round's secret assignment is never stored; the ledger counts that round
+    whole, so ε never falls below the uninterrupted run's). Not yet under ``torch.distributed``
+    or with ``noise_mechanism=`` (ValueError).
 
     Checkpoint and resume: save ``optimizer.state_dict()`` (the wrapped optimizer's state plus
     the DP state: release count, the queries' global states, the loader's position, the ledger's
@@ -193,6 +227,12 @@ def make_private(
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
     if noise_mechanism is not None:
+        if sampler is not None or max_batch_size is not None or num_selected != 1:
+            raise ValueError(
+                "sampler, max_batch_size and num_selected choose DP-SGD's sampling; matrix-factorization noise "
+                "(noise_mechanism=) trains over a cyclic order instead (fixed batches, or cyclic Poisson sampling with "
+                "poisson_sampling=True and participation=)"
+            )
         return _make_private_mf(
             model, optimizer, data_loader, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
             query=query, ledger=ledger, clipping=clipping, joint_scales=joint_scales,
@@ -210,9 +250,14 @@ def make_private(
             f"{', '.join(given)} configure matrix-factorization noise: give noise_mechanism='banded', 'blt' or "
             "'independent' with them"
         )
-    poisson_sampling = True if poisson_sampling is None else bool(poisson_sampling)
+    kind = _adapters.resolve_sampler(sampler, poisson_sampling)
+    n = len(data_loader.dataset) if hasattr(data_loader.dataset, "__len__") else None  # type: ignore[arg-type]
+    _adapters.check_options(kind, max_batch_size, num_selected, n, data_loader.batch_size)
+    poisson_sampling = kind == "poisson"
     comm = current_communicator()
-    if comm is not None and not poisson_sampling:
+    if kind in _adapters.DRAWN:
+        refuse_distributed(kind)
+    if comm is not None and kind == "shuffle":
         raise ValueError(
             "poisson_sampling=False is not supported under torch.distributed: the ranks' shuffled batches "
             "would not form one recorded sample; use Poisson sampling"
@@ -223,9 +268,15 @@ def make_private(
             data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed
         )
         expected = loader.expected_batch_size
+    elif kind in _adapters.DRAWN:
+        loader = SamplerDataLoader.from_data_loader(
+            data_loader, kind, ledger=ledger, max_batch_size=max_batch_size, num_selected=num_selected,
+            max_physical_batch_size=max_physical_batch_size, seed=seed,
+        )
+        expected = loader.expected_batch_size
     else:
         if max_physical_batch_size is not None:
-            raise ValueError("max_physical_batch_size needs poisson_sampling=True")
+            raise ValueError("max_physical_batch_size needs sampled batches (any sampler but 'shuffle')")
         loader = _ShuffledLoader(data_loader, ledger)
         expected = loader.expected_batch_size
     opt = DPOptimizer(
@@ -413,7 +464,7 @@ def make_private_with_epsilon(
     target_delta: float,
     epochs: int,
     max_grad_norm: Any,
-    accountant: str = "pld",
+    accountant: Optional[str] = None,
     **kwargs: Any,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """:func:`make_private` with the noise multiplier σ calibrated so that ``epochs`` epochs of
@@ -423,6 +474,16 @@ def make_private_with_epsilon(
     :func:`dpcore.accounting.calibrate_noise_multiplier`, which never overshoots the target).
     The chosen σ is ``optimizer.noise_multiplier``. Training longer than ``epochs`` spends more
     than the target; ``optimizer.get_epsilon(delta)`` always reports what was spent.
+
+    With ``sampler=`` (see :func:`make_private`) σ is calibrated with that sampler's own
+    accounting: the smallest z (to 1e-5 relative, from above: :func:`dpcore._adapters.calibrate`)
+    whose ``loader.sampler.accountant_event(z, steps)`` meets the target under the sampler's
+    accountant (default: PLD for ``"truncated_poisson"``, RDP for the allocation samplers, which
+    have no certified PLD analysis: ``accountant="pld"`` is refused for them). ``steps`` is
+    ``epochs`` × round(1/q) truncated-Poisson steps, ``epochs`` balls-in-bins epochs of b
+    batches, or for random allocation ⌈epochs/k⌉ rounds of t steps (a round is k passes over
+    the data, and the ledger counts a round cut short as a whole one). ``"shuffle"`` is
+    calibrated as ``epochs`` × len(data_loader) full-batch Gaussian steps (no amplification).
 
     With ``noise_mechanism=`` (see :func:`make_private`) the *effective* noise multiplier is
     calibrated for the planned epochs × b steps of the data order
@@ -438,12 +499,13 @@ def make_private_with_epsilon(
         )
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    if "noise_multiplier" in kwargs:
+        raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
     if kwargs.get("noise_mechanism") is not None:
         from ..matrix_factorization import calibrate_noise_multiplier as mf_calibrate
         from ._mf import schedule
 
-        if "noise_multiplier" in kwargs:
-            raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
+        accountant = "pld" if accountant is None else accountant
         sched = schedule(
             data_loader, noise_mechanism=kwargs["noise_mechanism"], epochs=epochs,
             participation=kwargs.get("participation"), poisson_sampling=kwargs.get("poisson_sampling"),
@@ -457,6 +519,44 @@ def make_private_with_epsilon(
         )
     if data_loader.batch_size is None:
         raise ValueError("data_loader has no batch_size to derive the sampling probability from")
+    kind = _adapters.resolve_sampler(kwargs.get("sampler"), kwargs.get("poisson_sampling"))
+    if kind in _adapters.DRAWN:
+        return _with_epsilon_sampled(
+            model, optimizer, data_loader, kind, target_epsilon=target_epsilon, target_delta=target_delta,
+            epochs=epochs, max_grad_norm=max_grad_norm, accountant=accountant, **kwargs,
+        )
+    if kind == "shuffle":
+        z = _calibrated_shuffle_noise(target_epsilon, target_delta, epochs, len(data_loader), accountant)
+        return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
     q = min(1.0, data_loader.batch_size / len(data_loader.dataset))  # type: ignore[arg-type]
-    z, _ = _calibrated_noise(target_epsilon, target_delta, epochs, q, accountant)
+    z, _ = _calibrated_noise(target_epsilon, target_delta, epochs, q, "pld" if accountant is None else accountant)
+    return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
+
+
+def _calibrated_shuffle_noise(target_epsilon: Any, target_delta: Any, epochs: Any, batches: int, accountant: Any) -> float:
+    """σ for ``epochs`` × ``batches`` shuffled batches, each accounted as a Gaussian query on the
+    whole data set (no amplification): the Poisson calibration at q = 1."""
+    from .. import accounting
+
+    steps = count("epochs", epochs, 1) * max(1, int(batches))
+    return accounting.calibrate_noise_multiplier(
+        target_epsilon, target_delta, 1.0, steps, accountant="pld" if accountant is None else accountant
+    )
+
+
+def _with_epsilon_sampled(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader, kind: str, *,
+    target_epsilon: Any, target_delta: Any, epochs: Any, max_grad_norm: Any, accountant: Optional[str], **kwargs: Any,
+) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
+    """make_private_with_epsilon for the samplers of :mod:`dpcore.sampling`: the sampler that
+    make_private will build, built alone (no ledger: nothing drawn or recorded) for its
+    ``accountant_event``, calibrated, then make_private with the calibrated σ."""
+    acct = _adapters.calibration_accountant(kind, accountant)
+    count("epochs", epochs, 1)
+    ds = data_loader.dataset
+    probe = _adapters.build(
+        kind, len(ds), data_loader.batch_size,  # type: ignore[arg-type]
+        max_batch_size=kwargs.get("max_batch_size"), num_selected=kwargs.get("num_selected", 1),
+    )
+    z = _adapters.calibrate(probe, target_epsilon, target_delta, _adapters.planned_steps(probe, epochs), acct)
     return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)

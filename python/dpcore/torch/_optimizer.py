@@ -389,7 +389,14 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.clear()
 
     def get_epsilon(self, delta: float, **kw: Any) -> float:
-        """ε of everything released so far at ``delta``, from the ledger (an upper bound)."""
+        """ε of everything released so far at ``delta``, from the ledger (an upper bound).
+
+        The accountant defaults to the data loader's (a :class:`SamplerDataLoader` of an
+        allocation sampler: ``"rdp"``, its only certified analysis, which the ledger would fall
+        back to anyway, with a warning), else the ledger's default (PLD)."""
+        acct = getattr(self.data_loader, "accountant", None)
+        if isinstance(acct, str) and "accountant" not in kw:
+            kw["accountant"] = acct
         return self.ledger.get_epsilon(delta, **kw)
 
     # -- the DP step ------------------------------------------------------------------
