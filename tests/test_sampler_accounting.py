@@ -87,8 +87,11 @@ def test_truncated_poisson_never_below_poisson(cap):
     e_t = A.sampler_epsilon("truncated_poisson", 1.0, 200, DELTA, **kw)
     e_p = A.sampler_epsilon("poisson", 1.0, 200, DELTA, sampling_probability=0.01)
     assert e_t >= e_p
-    if cap == 60000:  # the cap never binds
-        assert e_t == pytest.approx(e_p, rel=1e-9)
+    if cap == 60000:
+        # The cap binds only when all n + 1 records are drawn: the same ε but for the few ulps of
+        # weight the step's mixture puts at +∞ (rust/accounting/pld/truncated.rs), about 4e-9
+        # of ε here, always upward.
+        assert e_t <= e_p * (1 + 1e-7)
 
 
 def test_allocation_epsilons_are_finite_and_amplified():

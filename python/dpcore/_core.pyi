@@ -25,6 +25,7 @@ __all__ = [
     "mf_advance_and_draw",
     "pld_epsilon_bounds",
     "pld_delta_bounds",
+    "truncated_poisson_mixture",
     "rdp_poisson_subsampled_gaussian",
     "rdp_composition",
     "rdp_per_group",
@@ -239,11 +240,24 @@ def _log_a_quadrature(q: float, z: float, alpha: float) -> float:
 def default_rdp_orders() -> List[float]:
     """The default grid of Rényi orders of the RDP accountant."""
 def pld_epsilon_bounds(
-    groups: List[Tuple[float, float, float]], delta: float, interval: Optional[float] = ..., lower: bool = ...
+    groups: List[Tuple[float, float, float]],
+    delta: float,
+    interval: Optional[float] = ...,
+    lower: bool = ...,
+    truncated: List[Tuple[float, float, int, int, float]] = ...,
 ) -> Tuple[float, float, float]:
     """(lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
-    under add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound."""
+    and truncated-Poisson ones (q, z, max_sample_size, population_size, count) under
+    add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound."""
 def pld_delta_bounds(
-    groups: List[Tuple[float, float, float]], epsilon: float, interval: Optional[float] = ..., lower: bool = ...
+    groups: List[Tuple[float, float, float]],
+    epsilon: float,
+    interval: Optional[float] = ...,
+    lower: bool = ...,
+    truncated: List[Tuple[float, float, int, int, float]] = ...,
 ) -> Tuple[float, float, float]:
     """(lower, upper, grid interval) of δ at ε, as [`pld_epsilon_bounds`]."""
+def truncated_poisson_mixture(q: float, max_sample_size: int, population_size: int) -> Tuple[float, float, float, float, float]:
+    """The dominating mixture of one truncated-Poisson-sampled Gaussian step (rust/accounting/pld/
+    truncated.rs): (a, b, x, q_b, q_eff): weights of the pairs (q, z) and (q_b, z/2) and of the
+    upper envelope of their curves, and the Poisson rate the step dominates."""

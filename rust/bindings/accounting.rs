@@ -178,6 +178,22 @@ fn pld_groups(groups: &[(f64, f64, f64)]) -> Vec<pld::Group> {
         .collect()
 }
 
+/// Truncated-Poisson groups as given from Python: (q, z, max_sample_size, population_size, count).
+type TruncatedGroups = Vec<(f64, f64, u64, u64, f64)>;
+
+fn pld_truncated(groups: &[(f64, f64, u64, u64, f64)]) -> Vec<pld::TruncatedGroup> {
+    groups
+        .iter()
+        .map(|&(q, sigma, max_sample_size, population_size, count)| pld::TruncatedGroup {
+            q,
+            sigma,
+            max_sample_size,
+            population_size,
+            count,
+        })
+        .collect()
+}
+
 fn pld_options(interval: Option<f64>) -> pld::Options {
     pld::Options {
         interval,
@@ -191,16 +207,23 @@ macro_rules! pld_bounds {
     ($($(#[doc = $doc:literal])* $name:ident($at:ident) = $bounds:path;)*) => {$(
         #[pyfunction]
         $(#[doc = $doc])*
-        #[pyo3(signature = (groups, $at, interval=None, lower=true))]
+        #[pyo3(signature = (groups, $at, interval=None, lower=true, truncated=Vec::new()))]
         fn $name(
             py: Python<'_>,
             groups: Groups,
             $at: f64,
             interval: Option<f64>,
             lower: bool,
+            truncated: TruncatedGroups,
         ) -> PyResult<(f64, f64, f64)> {
             detached(py, || {
-                let b = $bounds(&pld_groups(&groups), $at, &pld_options(interval), lower)?;
+                let b = $bounds(
+                    &pld_groups(&groups),
+                    &pld_truncated(&truncated),
+                    $at,
+                    &pld_options(interval),
+                    lower,
+                )?;
                 Ok((b.lower, b.upper, b.interval))
             })
         }
@@ -209,15 +232,32 @@ macro_rules! pld_bounds {
 
 pld_bounds! {
     /// (lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
-    /// under add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound.
-    pld_epsilon_bounds(delta) = pld::epsilon_bounds;
+    /// and truncated-Poisson ones (q, z, max_sample_size, population_size, count) under
+    /// add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound.
+    pld_epsilon_bounds(delta) = pld::epsilon_bounds_mixed;
     /// (lower, upper, grid interval) of δ at ε, as [`pld_epsilon_bounds`].
-    pld_delta_bounds(epsilon) = pld::delta_bounds;
+    pld_delta_bounds(epsilon) = pld::delta_bounds_mixed;
+}
+
+/// The dominating mixture of one truncated-Poisson-sampled Gaussian step (rust/accounting/pld/
+/// truncated.rs): (a, b, x, q_b, q_eff): weights of the pairs (q, z) and (q_b, z/2) and of the
+/// upper envelope of their curves, and the Poisson rate the step dominates.
+#[pyfunction]
+fn truncated_poisson_mixture(
+    py: Python<'_>,
+    q: f64,
+    max_sample_size: u64,
+    population_size: u64,
+) -> PyResult<(f64, f64, f64, f64, f64)> {
+    detached(py, || {
+        let m = pld::truncated::mixture(q, max_sample_size, population_size)?;
+        Ok((m.a, m.b, m.x, m.q_b, m.q_eff))
+    })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     add_functions!(m, [
-        pld_epsilon_bounds, pld_delta_bounds, rdp_poisson_subsampled_gaussian, rdp_composition,
+        pld_epsilon_bounds, pld_delta_bounds, truncated_poisson_mixture, rdp_poisson_subsampled_gaussian, rdp_composition,
         rdp_per_group, epsilon_composition, delta_composition, epsilon_from_rdp,
         calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps,
         _log_a_quadrature, default_rdp_orders,

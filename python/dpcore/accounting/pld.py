@@ -7,8 +7,23 @@ The math runs in Rust (``rust/accounting/pld``):
   (Zhu, Dong, Wang 2022, arXiv:2106.08567, Proposition 30); ε is the worse of the two.
 * Pessimistic discretisation by "connect the dots" (Doroshenko, Ghazi, Kamath, Kumar,
   Manurangsi 2022, arXiv:2207.04380, Algorithm 1): every ε printed is an upper bound. The
-  optimistic discretisation (losses rounded down) gives the lower bound of
-  :meth:`PldAccountant.get_epsilon_bounds`.
+  lower bound of :meth:`PldAccountant.get_epsilon_bounds` comes from its mirror image, a PLD
+  whose privacy curve lies below the true one at every ε (the grid values lowered by the
+  chords' largest gap, then their lower convex hull), recomputed on finer grids while it is
+  more than 1% below the upper bound.
+* Truncated Poisson sampling (:class:`~dpcore.events.TruncatedPoissonSampledEvent`: a Poisson
+  sample capped at B records, the analysis of dp_accounting's
+  ``TruncatedSubsampledGaussianDpEvent``, arXiv:2508.15089): each step is dominated by the
+  mixture, with weights 1 − w and w, w = P[Bin(m, q) ≥ B] for the m records besides the one
+  protected, of the Poisson-subsampled Gaussian pair (q, z) and the one at the conditional
+  rate q' = P[Bin(m + 1, q) > B]·B/((m + 1)·w) with noise z/2 (when the cap is hit, the record
+  replaces one: sensitivity 2). It is taken in the add-or-remove form (dp_accounting takes the
+  replace-one form of the second pair, looser), for both m = n − 1 and m = n (the record in
+  the data set of n, or added to it), with binomial tails in log space and the weight whose
+  attribution is uncertain (which m, rounding) on the upper envelope of the two pairs' privacy
+  curves, which dominates both. The lower bound is the Poisson pair at the
+  rate at which the record is in the batch (a data set of zeros and the record). Full
+  reasoning: ``rust/accounting/pld/truncated.rs``.
 * Composition by FFT (Koskela, Jälkö, Honkela 2020, arXiv:1906.03049), T identical steps as a
   T-th power of the transform; mass cut from the window is bounded by Chernoff and moved to
   the +∞ atom.
@@ -19,8 +34,8 @@ The math runs in Rust (``rust/accounting/pld``):
 Not supported, with a clear error: fixed-size sampling without replacement. The PLD of its
 worst-case pair is not known to be sound under composition (Lebeda, Regehr, Kamath, Steinke
 2024, arXiv:2405.20769), so it stays with :class:`~dpcore.accounting.RdpAccountant`
-(``neighboring="replace_one"``, Wang, Balle, Kasiviswanathan 2019). Likewise Poisson sampling
-under replace-one, which no accountant here analyses.
+(``neighboring="replace_one"``, Wang, Balle, Kasiviswanathan 2019). Likewise Poisson and
+truncated Poisson sampling under replace-one, which no accountant here analyses.
 """
 
 from __future__ import annotations
@@ -65,6 +80,8 @@ class PldAccountant(PrivacyAccountant):
         super().__init__(neighboring)
         self._interval = _interval(value_discretization_interval)
         self._groups: Dict[Tuple[float, float], int] = {}
+        # Truncated-Poisson steps by (q, z, max_sample_size, population_size).
+        self._truncated: Dict[Tuple[float, float, int, int], int] = {}
         self._non_private = False
 
     @property
@@ -121,7 +138,16 @@ class PldAccountant(PrivacyAccountant):
                 "known to be sound under composition; use RdpAccountant(neighboring='replace_one')"
             )
         if isinstance(e, TruncatedPoissonSampledEvent):
-            return f"PldAccountant cannot analyse {e!r} yet; no accountant in dpcore analyses it"
+            if isinstance(e.event, NonPrivateEvent):
+                return None
+            if _effective_noise(e.event) is None:
+                return f"PldAccountant: the event inside TruncatedPoissonSampledEvent must be Gaussian, got {e.event!r}"
+            if self.neighboring != "add_or_remove":
+                return (
+                    f"PldAccountant cannot analyse {e!r} under neighboring='replace_one': truncated Poisson sampling "
+                    "is analysed under 'add_or_remove' (PldAccountant())"
+                )
+            return None
         return f"PldAccountant cannot analyse {type(e).__name__}"
 
     def supports(self, event: Event) -> bool:
@@ -137,10 +163,12 @@ class PldAccountant(PrivacyAccountant):
         if why is not None:
             raise UnsupportedEventError(why)
         groups: Dict[Tuple[float, float], int] = {}
-        flags = {"non_private": False}
+        flags: dict = {"non_private": False, "truncated": {}}
         self._walk(event, count, groups, flags)
         for k, c in groups.items():
             self._groups[k] = self._groups.get(k, 0) + c
+        for k, c in flags["truncated"].items():
+            self._truncated[k] = self._truncated.get(k, 0) + c
         self._non_private |= flags["non_private"]
         return self
 
@@ -160,28 +188,38 @@ class PldAccountant(PrivacyAccountant):
         elif isinstance(e, GaussianEvent):
             key = (1.0, e.noise_multiplier)
             groups[key] = groups.get(key, 0) + count
-        elif isinstance(e, PoissonSampledEvent):
+        elif isinstance(e, (PoissonSampledEvent, TruncatedPoissonSampledEvent)):
             if isinstance(e.event, NonPrivateEvent):
                 if e.sampling_probability > 0:
                     flags["non_private"] = True
                 return
             z = _effective_noise(e.event)
-            if z is not None and not math.isinf(z):
+            if z is None or math.isinf(z):
+                return
+            if isinstance(e, PoissonSampledEvent):
                 key = (e.sampling_probability, z)
                 groups[key] = groups.get(key, 0) + count
+            else:
+                tkey = (e.sampling_probability, z, e.max_sample_size, e.population_size)
+                flags["truncated"][tkey] = flags["truncated"].get(tkey, 0) + count
 
     def _g(self):
         return [(q, z, float(c)) for (q, z), c in self._groups.items() if c > 0]
+
+    def _t(self):
+        return [(q, z, b, n, float(c)) for (q, z, b, n), c in self._truncated.items() if c > 0]
 
     # -- results ----------------------------------------------------------------------------
 
     def get_epsilon_bounds(self, delta: float) -> Tuple[float, float]:
         """(lower, upper): the true ε at ``delta`` lies between them. ``upper`` is certified
-        (connect the dots); ``lower`` rounds losses down."""
+        (connect the dots) and is :meth:`get_epsilon`'s value; ``lower`` composes PLDs whose
+        curves lie below the true ones (for truncated Poisson steps: the ε of a data set whose
+        record is in the batch at the mechanism's rate, a lower bound on the worst case)."""
         d = check_delta(delta)
         if self._non_private:
             return math.inf, math.inf
-        lo, up, _ = _core.pld_epsilon_bounds(self._g(), d, self._interval, True)
+        lo, up, _ = _core.pld_epsilon_bounds(self._g(), d, self._interval, True, self._t())
         return lo, up
 
     def get_epsilon(self, delta: float) -> float:
@@ -189,7 +227,7 @@ class PldAccountant(PrivacyAccountant):
         d = check_delta(delta)
         if self._non_private:
             return math.inf
-        return _core.pld_epsilon_bounds(self._g(), d, self._interval, False)[1]
+        return _core.pld_epsilon_bounds(self._g(), d, self._interval, False, self._t())[1]
 
     def get_delta_bounds(self, epsilon: float) -> Tuple[float, float]:
         """(lower, upper) bounds on the smallest δ at ``epsilon``."""
@@ -198,7 +236,7 @@ class PldAccountant(PrivacyAccountant):
             return 1.0, 1.0
         if math.isinf(e):
             return 0.0, 0.0
-        lo, up, _ = _core.pld_delta_bounds(self._g(), e, self._interval, True)
+        lo, up, _ = _core.pld_delta_bounds(self._g(), e, self._interval, True, self._t())
         return lo, up
 
     def get_delta(self, epsilon: float) -> float:
@@ -208,4 +246,4 @@ class PldAccountant(PrivacyAccountant):
             return 1.0
         if math.isinf(e):
             return 0.0
-        return _core.pld_delta_bounds(self._g(), e, self._interval, False)[1]
+        return _core.pld_delta_bounds(self._g(), e, self._interval, False, self._t())[1]

@@ -1,6 +1,7 @@
 //! The privacy loss of the Poisson-subsampled Gaussian mechanism, and its discretisation onto a
 //! grid of loss values: pessimistic by "connect the dots" (Doroshenko, Ghazi, Kamath, Kumar,
-//! Manurangsi 2022, arXiv:2207.04380, Algorithm 1 / §3), optimistic by rounding losses down.
+//! Manurangsi 2022, arXiv:2207.04380, Algorithm 1 / §3), optimistic by its mirror image: the
+//! lower convex hull of the grid values lowered by the chords' largest gap ([`tight_lower`]).
 //!
 //! Sensitivity 1 and noise σ (the noise multiplier), sampling probability q. Dominating pairs
 //! (Zhu, Dong, Wang 2022, arXiv:2106.08567, Proposition 30; Koskela et al. 2020):
@@ -37,8 +38,12 @@ pub struct SubsampledGaussianLoss {
 pub enum Bound {
     /// Connect the dots: a dominating PLD (every ε it gives is an upper bound).
     Pessimistic,
-    /// Losses rounded down, mass below the grid dropped: every ε it gives is a lower bound.
+    /// A PLD whose curve lies below the true one at every ε, as tight as the grid allows (see
+    /// [`tight_lower`]): every ε it gives is a lower bound.
     Optimistic,
+    /// Losses rounded down, mass below the grid dropped: a lower bound too, loose by up to Δ per
+    /// step (the fallback of `Optimistic`; tests compare the two).
+    RoundedDown,
 }
 
 impl SubsampledGaussianLoss {
@@ -125,6 +130,45 @@ impl SubsampledGaussianLoss {
         k1: i64,
         bound: Bound,
     ) -> DpResult<DiscretePld> {
+        if bound == Bound::RoundedDown {
+            let g = self.grid_masses(interval, k0, k1);
+            return finite(round_down(&g, interval, k0));
+        }
+        let pess = bound == Bound::Pessimistic;
+        let (p, o) = self.discretize_both(interval, k0, k1, pess, !pess)?;
+        p.or(o)
+            .ok_or_else(|| DpError::param("bound", "no discretisation was computed"))
+    }
+
+    /// The pessimistic and the optimistic discretisations on the grid k·Δ, k = k0..=k1 (each
+    /// only if asked for): they share the grid's normal tails, the costly part.
+    pub fn discretize_both(
+        &self,
+        interval: f64,
+        k0: i64,
+        k1: i64,
+        pessimistic: bool,
+        optimistic: bool,
+    ) -> DpResult<(Option<DiscretePld>, Option<DiscretePld>)> {
+        let g = self.grid_masses(interval, k0, k1);
+        let p = if pessimistic {
+            Some(finite(connect_the_dots(&g, interval, k0))?)
+        } else {
+            None
+        };
+        let o = if optimistic {
+            let t = tight_lower(&g, interval, k0).unwrap_or_else(|| round_down(&g, interval, k0));
+            Some(finite(t)?)
+        } else {
+            None
+        };
+        Ok((p, o))
+    }
+
+    /// Per grid interval I_i = (ε_i, ε_{i+1}] the masses that both discretisations are built
+    /// from, computed from the two Gaussian components directly (never as differences of δ,
+    /// which would lose the small masses to cancellation).
+    fn grid_masses(&self, interval: f64, k0: i64, k1: i64) -> GridMasses {
         let n = (k1 - k0) as usize; // intervals; grid points 0..=n
         let sigma = self.sigma;
         // x at every grid point, and the two components' masses on the far side of it.
@@ -148,7 +192,7 @@ impl SubsampledGaussianLoss {
             }
         };
         let q = self.q;
-        // (P(I_i), Q(I_i)) and the two component masses.
+        // (P(I_i), Q(I_i)) from the two component masses.
         let pq = |d0: f64, d1: f64| -> (f64, f64) {
             let mix = (1.0 - q) * d0 + q * d1;
             match self.direction {
@@ -156,83 +200,298 @@ impl SubsampledGaussianLoss {
                 Direction::Add => (d0, mix),
             }
         };
-        let comp = |i: usize| -> (f64, f64) {
-            let (a, b) = ends(i);
-            (
-                Tail::between(&pts[a].1, &pts[b].1),
-                Tail::between(&pts[a].2, &pts[b].2),
-            )
-        };
         // Masses of the two components beyond the top grid point (losses above ε_n).
         let (t0, t1) = match self.direction {
             Direction::Remove => (pts[n].1.above(), pts[n].2.above()),
             Direction::Add => (pts[n].1.below(), pts[n].2.below()),
         };
         let (p_top, q_top) = pq(t0, t1);
-        let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
-        // N_i = P(I_i) − y_i·Q(I_i) ≥ 0 and Q(I_i), from the components directly: never as
-        // differences of δ, which would lose the masses to cancellation.
-        let nq: Vec<(f64, f64)> = (0..n)
+        // (P(I_i), N_i = P(I_i) − y_i·Q(I_i) ≥ 0, Q(I_i)).
+        let cells: Vec<(f64, f64, f64)> = (0..n)
             .into_par_iter()
             .with_min_len(2048)
             .map(|i| {
-                let (d0, d1) = comp(i);
-                let yi = y(i);
+                let (a, b) = ends(i);
+                let d0 = Tail::between(&pts[a].1, &pts[b].1);
+                let d1 = Tail::between(&pts[a].2, &pts[b].2);
+                let yi = ((k0 + i as i64) as f64 * interval).exp();
                 let nn = match self.direction {
                     Direction::Remove => (1.0 - q - yi) * d0 + q * d1,
                     Direction::Add => (1.0 - yi * (1.0 - q)) * d0 - yi * q * d1,
                 };
-                (nn.max(0.0), pq(d0, d1).1)
+                let (pp, qq) = pq(d0, d1);
+                (pp, nn.max(0.0), qq)
             })
             .collect();
-        let up = 1.0 / interval.exp_m1(); // y_i / (y_{i+1} − y_i)
-        let down = 1.0 / -(-interval).exp_m1(); // y_i / (y_i − y_{i−1})
-                                                // Connect the dots: p_i = y_i·(S_{i−1} − S_i), S_i the slope of the true curve's chord
-                                                // on (y_i, y_{i+1}); p_n = y_n·S_{n−1}; δ(ε_n) goes to +∞.
-        let ctd = |i: usize| -> f64 {
-            if i < n {
-                y(i) * nq[i].1 + nq[i - 1].0 * down - nq[i].0 * up
+        GridMasses {
+            cells,
+            p_top,
+            q_top,
+        }
+    }
+}
+
+/// The masses of one loss on a grid (see [`SubsampledGaussianLoss::grid_masses`]).
+struct GridMasses {
+    /// Per interval I_i: (P(I_i), N_i = P(I_i) − y_i·Q(I_i), Q(I_i)).
+    cells: Vec<(f64, f64, f64)>,
+    /// P and Q of the losses above the top grid point.
+    p_top: f64,
+    q_top: f64,
+}
+
+fn finite(p: DiscretePld) -> DpResult<DiscretePld> {
+    if p.probs.iter().any(|x| !x.is_finite()) || !p.inf_mass.is_finite() {
+        return Err(DpError::param(
+            "noise_multiplier",
+            "privacy loss distribution is not finite at these parameters",
+        ));
+    }
+    Ok(p)
+}
+
+/// The pessimistic discretisation: connect the dots (Doroshenko et al. 2022, Algorithm 1).
+/// With y_i = e^{ε_i}, its hockey-stick curve δ(y) = E[(1 − y·e^{−L})₊] is the linear
+/// interpolation (in y) of the true curve's values at the grid points, which lies above the true
+/// (convex) curve: p_i = y_i·(S_{i−1} − S_i), S_i the slope of the chord on (y_i, y_{i+1}),
+/// p_n = y_n·S_{n−1}, δ(ε_n) goes to +∞, and the rest of the mass to the bottom atom.
+fn connect_the_dots(g: &GridMasses, interval: f64, k0: i64) -> DiscretePld {
+    let n = g.cells.len();
+    let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
+    let up = 1.0 / interval.exp_m1(); // y_i / (y_{i+1} − y_i)
+    let down = 1.0 / -(-interval).exp_m1(); // y_i / (y_i − y_{i−1})
+    let c = &g.cells;
+    let mut raw: Vec<f64> = (0..n + 1)
+        .into_par_iter()
+        .with_min_len(2048)
+        .map(|i| {
+            if i == 0 {
+                0.0
+            } else if i < n {
+                y(i) * c[i].2 + c[i - 1].1 * down - c[i].1 * up
             } else {
-                y(n) * q_top + nq[n - 1].0 * down
+                y(n) * g.q_top + c[n - 1].1 * down
             }
-        };
-        let delta_top = (p_top - y(n) * q_top).max(0.0);
-        let mut raw: Vec<f64> = (0..n + 1)
-            .into_par_iter()
-            .with_min_len(2048)
-            .map(|i| if i == 0 { 0.0 } else { ctd(i) })
-            .collect();
-        let inf_mass;
-        match bound {
-            Bound::Pessimistic => {
-                inf_mass = delta_top;
-                raw[0] = 1.0 - (raw[1..].iter().map(|p| p.max(0.0)).sum::<f64>() + inf_mass);
-            }
-            Bound::Optimistic => {
-                // Losses rounded down to the grid (a coupling with L' ≤ L, so every composed
-                // δ(ε) is at most the true one); the mass below ε_0 is dropped.
-                for i in 0..n {
-                    let (d0, d1) = comp(i);
-                    raw[i] = pq(d0, d1).0;
-                }
-                raw[n] = p_top;
-                inf_mass = 0.0;
-            }
-        }
-        let excess: f64 = raw.iter().filter(|p| **p < 0.0).map(|p| -p).sum();
-        let probs: Vec<f64> = raw.into_iter().map(|p| p.max(0.0)).collect();
-        if probs.iter().any(|p| !p.is_finite()) {
-            return Err(DpError::param(
-                "noise_multiplier",
-                "privacy loss distribution is not finite at these parameters",
-            ));
-        }
-        Ok(DiscretePld {
-            interval,
-            offset: k0,
-            probs,
-            inf_mass,
-            excess,
         })
+        .collect();
+    let inf_mass = (g.p_top - y(n) * g.q_top).max(0.0);
+    raw[0] = 1.0 - (raw[1..].iter().map(|p| p.max(0.0)).sum::<f64>() + inf_mass);
+    let excess: f64 = raw.iter().filter(|p| **p < 0.0).map(|p| -p).sum();
+    DiscretePld {
+        interval,
+        offset: k0,
+        probs: raw.into_iter().map(|p| p.max(0.0)).collect(),
+        inf_mass,
+        excess,
+    }
+}
+
+/// The former optimistic discretisation, kept as the fallback of [`tight_lower`]: every loss
+/// rounded down to the grid (a coupling with L' ≤ L, so every composed δ(ε) is at most the true
+/// one); the mass below ε_0 is dropped. Loose by up to Δ per step in the loss.
+fn round_down(g: &GridMasses, interval: f64, k0: i64) -> DiscretePld {
+    let mut probs: Vec<f64> = g.cells.iter().map(|c| c.0).collect();
+    probs.push(g.p_top);
+    DiscretePld {
+        interval,
+        offset: k0,
+        probs,
+        inf_mass: 0.0,
+        excess: 0.0,
+    }
+}
+
+/// The optimistic discretisation: a PLD on the grid whose curve D(y) = Σ_i p_i·(1 − y/y_i)₊ lies
+/// below the true curve δ(y) = E[(1 − y·e^{−L})₊] at every y > 0 (every ε, negative ones too),
+/// as tight as the grid allows: the counterpart of connect the dots (Doroshenko et al. 2022,
+/// §3–4), which lies above it by the same second-order amount. None where the construction
+/// does not apply (the caller then rounds losses down).
+///
+/// Why composing such curves gives a lower bound: the composition's curve is
+/// δ(y) = E_S[D_1(y·e^{−S})], S the sum of the other steps' losses, so lowering D_1 pointwise
+/// lowers δ whatever the other steps are; step by step, the composition of lower curves is
+/// below the true composition (no validity of the lower PLD as a pair of distributions is needed:
+/// only its nonnegative masses).
+///
+/// Construction. δ is convex in y, with δ(y_i) = δ_i and slope −c_i at y_i, c_i = Q(L > ε_i).
+/// On [y_i, y_{i+1}] (width h_i) its chord exceeds it by at most
+/// g_i = N_i·(1 − N_i/(h_i·Q(I_i))) (the chord minus the larger of the two end tangents, at
+/// their crossing; N_i = P(I_i) − y_i·Q(I_i), so that the chord's slope is −(c_{i+1} + N_i/h_i)).
+/// Lowering the grid values to D_i = δ_i − max(g_{i−1}, g_i) puts each interpolated segment
+/// under the chord lowered by g_i, hence under δ. Left of y_0 the curve continues along the
+/// tangent's slope −c_0 (mass below ε_0 is dropped); from the top point y_K on, D = 0, with K
+/// the highest point where that stays below δ. Where the lowered points are not convex (a
+/// negative atom), the vertex is removed (its neighbours' chord is lower: the lower convex hull)
+/// or, at y_0, lowered. The atoms are computed as Q-masses m_i = p_i/y_i from the cell masses,
+/// never from differences of δ: m_i = Q(I_i) + t_{i−1} − t_i with t_i = (N_i − G_i + G_{i+1})/h_i.
+fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
+    let n = g.cells.len();
+    if n < 2 {
+        return None;
+    }
+    let c = &g.cells;
+    let em1 = interval.exp_m1();
+    let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
+    let h = |i: usize| y(i) * em1;
+    // Rounding in N_i (a difference where y_i is near 1 − q) is about u/Δ relative: the gaps
+    // are widened by far more than that.
+    let widen = 1.0 + 64.0 * f64::EPSILON / interval.min(1.0);
+    let gap: Vec<f64> = (0..n)
+        .map(|i| {
+            let (_, nn, qq) = c[i];
+            let hq = h(i) * qq;
+            let v = if hq > 0.0 {
+                nn * (1.0 - nn / hq).max(0.0)
+            } else {
+                nn
+            };
+            v.min(nn) * widen
+        })
+        .collect();
+    // Q-mass above each grid point and δ at each grid point, summed from the top (all terms
+    // nonnegative): δ_i = δ_{i+1} + N_i + h_i·c_{i+1}.
+    let mut cq = vec![0.0f64; n + 1];
+    let mut dl = vec![0.0f64; n + 1];
+    cq[n] = g.q_top;
+    dl[n] = (g.p_top - y(n) * g.q_top).max(0.0);
+    for i in (0..n).rev() {
+        cq[i] = cq[i + 1] + c[i].2;
+        dl[i] = dl[i + 1] + c[i].1 + h(i) * cq[i + 1];
+    }
+    let lowered = |i: usize| -> f64 {
+        let left = if i > 0 { gap[i - 1] } else { 0.0 };
+        let right = if i < n { gap[i] } else { 0.0 };
+        left.max(right)
+    };
+    // K: the first point where the lowered value would be negative, or one below it.
+    let mut kk = n;
+    for i in 1..=n {
+        if dl[i] < lowered(i) {
+            kk = if dl[i] >= gap[i - 1] { i } else { i - 1 };
+            break;
+        }
+    }
+    if kk < 1 {
+        return None;
+    }
+    // G_i: the lowering at each point; at K the whole of δ_K (D_K = 0).
+    let lower_at = |i: usize| -> f64 {
+        if i == kk {
+            dl[kk]
+        } else {
+            lowered(i)
+        }
+    };
+    let t: Vec<f64> = (0..kk)
+        .map(|i| (c[i].1 - lower_at(i) + lower_at(i + 1)) / h(i))
+        .collect();
+    let mut m = vec![0.0f64; kk + 1];
+    m[0] = c[0].2 - t[0];
+    for i in 1..kk {
+        m[i] = c[i].2 + t[i - 1] - t[i];
+    }
+    m[kk] = cq[kk] + t[kk - 1];
+    // Lower convex hull: remove concave vertices (negative atoms), lower y_0 if its atom is
+    // negative. Each operation only lowers the curve.
+    let mut st: Vec<usize> = Vec::with_capacity(kk + 1);
+    for i in 0..=kk {
+        st.push(i);
+        while st.len() >= 2 {
+            let l = st.len();
+            let v = st[l - 2];
+            if m[v] >= 0.0 {
+                break;
+            }
+            let w = st[l - 1];
+            let mv = m[v];
+            m[v] = 0.0;
+            if l == 2 {
+                // y_0: lowering D_0 moves its Q-mass deficit onto the next vertex.
+                m[w] += mv;
+                break;
+            }
+            let u = st[l - 3];
+            let (yu, yv, yw) = (y(u), y(v), y(w));
+            m[u] += mv * (yw - yv) / (yw - yu);
+            m[w] += mv * (yv - yu) / (yw - yu);
+            st.remove(l - 2);
+        }
+    }
+    if !(m[kk] >= 0.0) {
+        return None;
+    }
+    let mut probs = vec![0.0f64; kk + 1];
+    for &i in &st {
+        probs[i] = (y(i) * m[i]).max(0.0);
+    }
+    Some(DiscretePld {
+        interval,
+        offset: k0,
+        probs,
+        inf_mass: 0.0,
+        excess: 0.0,
+    })
+}
+
+/// A PLD whose curve lies at or above both `a`'s and `b`'s at every ε: the linear interpolation
+/// (in y = e^ε) of the larger of their curves at the grid points. Both are on one grid with total
+/// mass 1 (as connect the dots makes them), so that below y_0 both curves are lines from (0, 1)
+/// and the larger is the one larger at y_0; above the grid both are constant (their +∞ atoms).
+/// The max of two convex curves is convex, hence so is its interpolation: the atoms
+/// p_i = y_i·(S_{i−1} − S_i) (S: negated slopes) are nonnegative. Where both ends of a grid
+/// interval take the same curve, S is that curve's Q-mass above the interval (a suffix sum,
+/// exact), so its atoms come out unchanged; only intervals where the larger curve changes take a
+/// difference of curve values. An atom that rounding made negative is dropped (that raises the
+/// curve).
+pub fn envelope(a: &DiscretePld, b: &DiscretePld) -> DiscretePld {
+    let n = a.probs.len().min(b.probs.len()) - 1;
+    let (interval, k0) = (a.interval, a.offset);
+    let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
+    let em1 = interval.exp_m1();
+    let fall = -(-interval).exp_m1(); // 1 − e^{−Δ}
+    // Per PLD: qs[i] = Σ_{j>i} p_j/y_j and the curve d[i] at y_i, from the top (all terms ≥ 0):
+    // d_i = d_{i+1} + h_i·qs_{i+1} + p_{i+1}·(1 − e^{−Δ}).
+    let curve = |p: &DiscretePld| -> (Vec<f64>, Vec<f64>) {
+        let mut qs = vec![0.0f64; n + 1];
+        let mut d = vec![0.0f64; n + 1];
+        d[n] = p.inf_mass;
+        for i in (0..n).rev() {
+            qs[i] = qs[i + 1] + p.probs[i + 1] / y(i + 1);
+            d[i] = d[i + 1] + y(i) * em1 * qs[i + 1] + p.probs[i + 1] * fall;
+        }
+        (qs, d)
+    };
+    let (qa, da) = curve(a);
+    let (qb, db) = curve(b);
+    let pick_a: Vec<bool> = (0..=n).map(|i| da[i] >= db[i]).collect();
+    let value = |i: usize| if pick_a[i] { da[i] } else { db[i] };
+    let slope = |i: usize| -> f64 {
+        match (pick_a[i], pick_a[i + 1]) {
+            (true, true) => qa[i],
+            (false, false) => qb[i],
+            _ => ((value(i) - value(i + 1)) / (y(i) * em1)).max(0.0),
+        }
+    };
+    let left = if pick_a[0] {
+        qa[0] + a.probs[0] / y(0)
+    } else {
+        qb[0] + b.probs[0] / y(0)
+    };
+    let mut probs = vec![0.0f64; n + 1];
+    if n == 0 {
+        probs[0] = 1.0 - a.inf_mass.max(b.inf_mass);
+    } else {
+        probs[0] = y(0) * (left - slope(0));
+        for (i, p) in probs.iter_mut().enumerate().take(n).skip(1) {
+            *p = y(i) * (slope(i - 1) - slope(i));
+        }
+        probs[n] = y(n) * slope(n - 1);
+    }
+    DiscretePld {
+        interval,
+        offset: k0,
+        probs: probs.into_iter().map(|p| p.max(0.0)).collect(),
+        inf_mass: a.inf_mass.max(b.inf_mass),
+        excess: 0.0,
     }
 }

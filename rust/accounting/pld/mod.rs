@@ -1,10 +1,15 @@
-//! Privacy loss distributions (PLD): tight (ε, δ) accounting of Poisson-subsampled Gaussian
-//! steps, certified from above, with a lower bound beside it.
+//! Privacy loss distributions (PLD): tight (ε, δ) accounting of Poisson-subsampled and
+//! truncated-Poisson-subsampled Gaussian steps, certified from above, with a lower bound beside it.
 //!
 //! * [`loss`]: the privacy loss of the subsampled Gaussian in both directions of the
 //!   add-or-remove relation (Zhu, Dong, Wang 2022, Proposition 30), discretised pessimistically
 //!   by "connect the dots" (Doroshenko, Ghazi, Kamath, Kumar, Manurangsi 2022, Algorithm 1) and
-//!   optimistically by rounding down.
+//!   optimistically by its mirror image (the lowered lower convex hull, `loss::tight_lower`).
+//! * [`truncated`]: truncated Poisson sampling (a Poisson sample capped at B records), dominated
+//!   by a mixture of three subsampled Gaussian pairs (after dp_accounting and arXiv:2508.15089;
+//!   the reasoning, and where it is tighter, in that module). A step's pessimistic PLD is then the
+//!   mixture of the pessimistic PLDs of its pairs on one grid: a mixture of dominating PLDs
+//!   dominates the mixture.
 //! * [`compose`]: composition by FFT (Koskela, Jälkö, Honkela 2020), T identical steps as a
 //!   T-th power of the transform, the window chosen by Chernoff bounds, wrapped mass accounted.
 //! * [`curve`]: δ(ε) and ε(δ) from the hockey-stick divergence (Sommer, Meiser, Mohammadi
@@ -24,9 +29,13 @@
 //! computed but not added: it is 10×–600× above the measured rounding and would make ε at
 //! δ = 1e-12 meaningless. dp_accounting and the PRV accountant do not bound it either.
 //!
-//! The lower bound rounds every loss down to the grid (a coupling with L' ≤ L, so the
-//! composed δ(ε) is below the true one). It is loose by up to T·Δ in the loss: it brackets the
-//! answer, and the upper bound is the one reported as ε.
+//! The lower bound composes PLDs whose curves lie below the true ones at every ε (`loss`); the
+//! composition's curve is monotone in each step's curve, so it stays below the true one. Its gap
+//! to the upper bound is of second order in Δ where a step's loss spreads over many grid
+//! intervals; where it does not (small q, a loss narrower than a few Δ), no grid PLD can be
+//! tighter than rounding down, which loses up to Δ per step, and the lower bound is recomputed on
+//! grids 4×, 16× and 64× finer while the gap is above 1% and the grid fits (any grid's lower
+//! bound is one; the largest is kept). The upper bound is the one reported as ε.
 //!
 //! Grid size: with `interval: None` the loss grid step Δ is 1e-4 (dp_accounting's default),
 //! refined for small compositions so that the window holds at least 2^12 atoms, and once more
@@ -39,11 +48,13 @@ pub mod compose;
 pub mod curve;
 pub mod loss;
 pub mod normal;
+pub mod truncated;
 
 use super::rdp_poisson;
 use crate::error::{require, DpError, DpResult};
 use compose::{compose, Composed, Part};
 use loss::{Bound, Direction, SubsampledGaussianLoss};
+use rayon::prelude::*;
 
 /// A discrete PLD: atom k sits at loss (offset + k)·interval; `inf_mass` sits at +∞.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,6 +74,18 @@ pub struct DiscretePld {
 pub struct Group {
     pub q: f64,
     pub sigma: f64,
+    pub count: f64,
+}
+
+/// `count` Gaussian steps (noise multiplier σ) on truncated Poisson samples: each of
+/// `population_size` records drawn with probability q, a uniform `max_sample_size` of them kept
+/// when more were drawn (see [`truncated`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TruncatedGroup {
+    pub q: f64,
+    pub sigma: f64,
+    pub max_sample_size: u64,
+    pub population_size: u64,
     pub count: f64,
 }
 
@@ -88,6 +111,10 @@ const TARGET_BINS: f64 = 4096.0;
 const MIN_INTERVAL: f64 = 1e-9;
 /// An automatic grid is refined when ε < REFINE·Δ.
 const REFINE: f64 = 1000.0;
+/// The lower bound is recomputed on finer grids while it is more than this fraction below the
+/// upper one (automatic grids only), at most `LOWER_REFINES` times, each 4× finer.
+const LOWER_GAP: f64 = 0.01;
+const LOWER_REFINES: usize = 3;
 
 /// A lower and an upper bound, and the grid step used.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -108,12 +135,96 @@ impl Bounds {
     }
 }
 
-fn check_groups(groups: &[Group]) -> DpResult<()> {
+/// A weighted Poisson-subsampled Gaussian pair (q, σ) in a step's dominating mixture.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Component {
+    weight: f64,
+    q: f64,
+    sigma: f64,
+}
+
+/// One kind of step, run `count` times: a mixture of pairs (and, with weight `envelope`, of the
+/// upper envelope of the first two pairs' curves) whose privacy curve is at or above the step's at
+/// every ε (upper bound), and a Poisson pair (q, σ) whose curve is at or below the mechanism's
+/// worst case (lower bound).
+#[derive(Clone, Debug, PartialEq)]
+struct Kind {
+    upper: Vec<Component>,
+    envelope: f64,
+    lower: (f64, f64),
+    count: f64,
+}
+
+impl Kind {
+    fn poisson(q: f64, sigma: f64, count: f64) -> Self {
+        Kind {
+            upper: vec![Component {
+                weight: 1.0,
+                q,
+                sigma,
+            }],
+            envelope: 0.0,
+            lower: (q, sigma),
+            count,
+        }
+    }
+
+    /// The truncated-Poisson step (see [`truncated`] for the mixture and why it dominates).
+    fn truncated(g: &TruncatedGroup) -> DpResult<Self> {
+        let m = truncated::mixture(g.q, g.max_sample_size, g.population_size)?;
+        // The weight of uncertain attribution (w_hi − w_lo: which neighbour size, and rounding)
+        // sits on the upper envelope of the two pairs' curves (truncated.rs).
+        let half = 0.5 * g.sigma; // exact
+        Ok(Kind {
+            upper: vec![
+                Component {
+                    weight: m.a,
+                    q: g.q,
+                    sigma: g.sigma,
+                },
+                Component {
+                    weight: m.b,
+                    q: m.q_b,
+                    sigma: half,
+                },
+            ],
+            envelope: m.x,
+            lower: (m.q_eff, g.sigma),
+            count: g.count,
+        })
+    }
+
+    /// One pair, the same for both bounds.
+    fn is_plain(&self) -> bool {
+        self.upper.len() == 1
+            && self.envelope == 0.0
+            && self.upper[0].weight == 1.0
+            && (self.upper[0].q, self.upper[0].sigma) == self.lower
+    }
+
+    fn subsampled(&self) -> bool {
+        self.lower.0 < 1.0 || self.upper.iter().any(|c| c.q < 1.0)
+    }
+}
+
+fn check_groups(groups: &[Group], truncated: &[TruncatedGroup]) -> DpResult<()> {
+    let count = |c: f64| require(c >= 0.0 && c.is_finite() && c.fract() == 0.0, "count", "a whole number >= 0", c);
     for g in groups {
         rdp_poisson::check_q(g.q, "sampling_probability")?;
         rdp_poisson::check_z(g.sigma, "noise_multiplier")?;
-        let c = g.count;
-        require(c >= 0.0 && c.is_finite() && c.fract() == 0.0, "count", "a whole number >= 0", c)?;
+        count(g.count)?;
+    }
+    for g in truncated {
+        rdp_poisson::check_q(g.q, "sampling_probability")?;
+        rdp_poisson::check_z(g.sigma, "noise_multiplier")?;
+        count(g.count)?;
+        require(g.max_sample_size >= 1, "max_sample_size", ">= 1", g.max_sample_size)?;
+        require(
+            g.population_size >= g.max_sample_size,
+            "population_size",
+            "at least max_sample_size",
+            g.population_size,
+        )?;
     }
     Ok(())
 }
@@ -126,18 +237,24 @@ enum Plan {
     NonPrivate,
     /// Only unsampled Gaussian steps: one Gaussian with this σ.
     Gaussian(f64),
-    /// Subsampled steps (and at most one merged Gaussian part at q = 1).
-    Mixed(Vec<Group>),
+    /// Subsampled steps (and at most one merged Gaussian kind at q = 1).
+    Mixed(Vec<Kind>),
 }
 
-fn plan(groups: &[Group]) -> DpResult<Plan> {
-    check_groups(groups)?;
+fn plan(groups: &[Group], truncated: &[TruncatedGroup]) -> DpResult<Plan> {
+    check_groups(groups, truncated)?;
+    let releases = |c: f64, q: f64, s: f64| c > 0.0 && q > 0.0 && s != f64::INFINITY;
     let live: Vec<Group> = groups
         .iter()
         .copied()
-        .filter(|g| g.count > 0.0 && g.q > 0.0 && g.sigma != f64::INFINITY)
+        .filter(|g| releases(g.count, g.q, g.sigma))
         .collect();
-    if live.iter().any(|g| g.sigma == 0.0) {
+    let live_t: Vec<TruncatedGroup> = truncated
+        .iter()
+        .copied()
+        .filter(|g| releases(g.count, g.q, g.sigma))
+        .collect();
+    if live.iter().any(|g| g.sigma == 0.0) || live_t.iter().any(|g| g.sigma == 0.0) {
         return Ok(Plan::NonPrivate);
     }
     // Unsampled Gaussians compose into one: 1/σ² adds up. Rounded down (more noise would
@@ -147,70 +264,229 @@ fn plan(groups: &[Group]) -> DpResult<Plan> {
         .filter(|g| g.q == 1.0)
         .map(|g| g.count / (g.sigma * g.sigma))
         .sum();
-    let mut sub: Vec<Group> = live.iter().copied().filter(|g| g.q < 1.0).collect();
+    let mut kinds: Vec<Kind> = live
+        .iter()
+        .filter(|g| g.q < 1.0)
+        .map(|g| Kind::poisson(g.q, g.sigma, g.count))
+        .collect();
+    for g in &live_t {
+        kinds.push(Kind::truncated(g)?);
+    }
     if inv > 0.0 {
         let mut s = 1.0 / inv.sqrt();
         for _ in 0..4 {
             s = s.next_down();
         }
-        if sub.is_empty() {
+        if kinds.is_empty() {
             return Ok(Plan::Gaussian(s));
         }
-        sub.push(Group {
-            q: 1.0,
-            sigma: s,
-            count: 1.0,
-        });
+        kinds.push(Kind::poisson(1.0, s, 1.0));
     }
-    if sub.is_empty() {
+    if kinds.is_empty() {
         return Ok(Plan::Nothing);
     }
-    Ok(Plan::Mixed(sub))
+    Ok(Plan::Mixed(kinds))
 }
 
-/// Builds the per-step PLDs of one direction on grid Δ and composes them.
-fn composed(
-    groups: &[Group],
+/// The PLD of "nothing released": all mass at loss 0.
+fn identity(interval: f64) -> DiscretePld {
+    DiscretePld {
+        interval,
+        offset: 0,
+        probs: vec![1.0],
+        inf_mass: 0.0,
+        excess: 0.0,
+    }
+}
+
+/// One step of `kind` in direction `dir` on grid Δ: its pessimistic PLD (the mixture of its
+/// pairs' connect-the-dots PLDs on one grid) and its optimistic one, each if asked for. A pair
+/// whose weight is below a thousandth of the per-step tail budget goes to the +∞ atom instead
+/// (it dominates anything).
+fn discretize_kind(
+    kind: &Kind,
     dir: Direction,
     interval: f64,
-    tail: f64,
-    bound: Bound,
+    per_step: f64,
     max_bins: usize,
-) -> DpResult<Composed> {
-    let total: f64 = groups.iter().map(|g| g.count).sum();
-    let per_step = (tail / total).max(1e-300);
-    let mut steps = Vec::with_capacity(groups.len());
-    for g in groups {
-        let d = if g.q == 1.0 { Direction::Remove } else { dir };
-        let l = SubsampledGaussianLoss::new(g.q, g.sigma, d);
-        let (k0, k1) = l.grid(interval, per_step, per_step.min(1e-20));
+    pessimistic: bool,
+    optimistic: bool,
+) -> DpResult<(Option<DiscretePld>, Option<DiscretePld>)> {
+    let loss = |q: f64, sigma: f64| {
+        let d = if q == 1.0 { Direction::Remove } else { dir };
+        SubsampledGaussianLoss::new(q, sigma, d)
+    };
+    // Grid bounds holding all but per_step/weight of the pair's mass (the mixture's tail stays
+    // within the per-step budget).
+    let grid = |l: &SubsampledGaussianLoss, w: f64| -> DpResult<(i64, i64)> {
+        let t = (per_step / w).min(1e-3);
+        let (k0, k1) = l.grid(interval, t, t.min(1e-20));
         if (k1 - k0) as f64 > 4.0 * max_bins as f64 {
             return Err(DpError::GridTooLarge {
                 bins: (k1 - k0) as f64,
             });
         }
-        steps.push(l.discretize(interval, k0, k1, bound)?);
+        Ok((k0, k1))
+    };
+    if kind.is_plain() {
+        let l = loss(kind.lower.0, kind.lower.1);
+        let (k0, k1) = grid(&l, 1.0)?;
+        return l.discretize_both(interval, k0, k1, pessimistic, optimistic);
     }
-    let parts: Vec<Part<'_>> = steps
+    let p = if pessimistic {
+        let small = 1e-3 * per_step;
+        let env = kind.envelope > small;
+        // Pairs too light to matter go to +∞; the first two are built whenever the envelope is.
+        let mut inf_mass = if env { 0.0 } else { kind.envelope };
+        let mut comps = Vec::new();
+        let mut env_parts = Vec::new();
+        for (i, c) in kind.upper.iter().enumerate() {
+            let weight = if c.weight > small {
+                c.weight
+            } else {
+                inf_mass += c.weight;
+                0.0
+            };
+            if weight > 0.0 || (env && i < 2) {
+                let l = loss(c.q, c.sigma);
+                let budget = weight.max(if env { kind.envelope } else { 0.0 });
+                if env && i < 2 {
+                    env_parts.push(comps.len());
+                }
+                comps.push((weight, l, grid(&l, budget)?));
+            }
+        }
+        let k0 = comps.iter().map(|c| c.2 .0).min().unwrap_or(0);
+        let k1 = comps.iter().map(|c| c.2 .1).max().unwrap_or(1);
+        if (k1 - k0) as f64 > 4.0 * max_bins as f64 {
+            return Err(DpError::GridTooLarge {
+                bins: (k1 - k0) as f64,
+            });
+        }
+        let mut acc = DiscretePld {
+            interval,
+            offset: k0,
+            probs: vec![0.0; (k1 - k0 + 1) as usize],
+            inf_mass,
+            excess: 0.0,
+        };
+        if comps.is_empty() {
+            acc.probs[0] = 0.0;
+        }
+        let mut built = Vec::with_capacity(comps.len());
+        for (w, l, _) in &comps {
+            let d = l.discretize(interval, k0, k1, Bound::Pessimistic)?;
+            for (a, b) in acc.probs.iter_mut().zip(d.probs.iter()) {
+                *a += w * b;
+            }
+            acc.inf_mass += w * d.inf_mass;
+            acc.excess += w * d.excess;
+            built.push(d);
+        }
+        if let [i, j] = env_parts[..] {
+            let e = loss::envelope(&built[i], &built[j]);
+            for (a, b) in acc.probs.iter_mut().zip(e.probs.iter()) {
+                *a += kind.envelope * b;
+            }
+            acc.inf_mass += kind.envelope * e.inf_mass;
+        }
+        acc.inf_mass = acc.inf_mass.min(1.0);
+        Some(acc)
+    } else {
+        None
+    };
+    // The lower bound's pair has its own grid; where it is too large, no lower bound (the upper
+    // one must not depend on whether a lower bound was asked for).
+    let o = if optimistic {
+        let (q, sigma) = kind.lower;
+        if q == 0.0 {
+            Some(identity(interval))
+        } else {
+            let l = loss(q, sigma);
+            match grid(&l, 1.0) {
+                Ok((k0, k1)) => Some(l.discretize(interval, k0, k1, Bound::Optimistic)?),
+                Err(DpError::GridTooLarge { .. }) => None,
+                Err(e) => return Err(e),
+            }
+        }
+    } else {
+        None
+    };
+    Ok((p, o))
+}
+
+/// The compositions of one direction on grid Δ: (pessimistic, optimistic), each if asked for,
+/// and the number of per-step atoms built.
+struct Pass {
+    upper: Option<Composed>,
+    lower: Option<Composed>,
+    step_bins: usize,
+}
+
+/// Builds the per-step PLDs of one direction on grid Δ and composes them.
+fn composed(
+    kinds: &[Kind],
+    dir: Direction,
+    interval: f64,
+    tail: f64,
+    (pessimistic, optimistic): (bool, bool),
+    max_bins: usize,
+) -> DpResult<Pass> {
+    let total: f64 = kinds.iter().map(|k| k.count).sum();
+    let per_step = (tail / total).max(1e-300);
+    let steps: Vec<(Option<DiscretePld>, Option<DiscretePld>)> = kinds
+        .par_iter()
+        .map(|k| discretize_kind(k, dir, interval, per_step, max_bins, pessimistic, optimistic))
+        .collect::<DpResult<_>>()?;
+    let step_bins = steps
         .iter()
-        .zip(groups)
-        .map(|(p, g)| Part {
-            pld: p,
-            count: g.count,
-        })
-        .collect();
-    compose(&parts, tail, tail, max_bins, bound == Bound::Pessimistic)
+        .map(|(p, o)| p.as_ref().map_or(0, |x| x.probs.len()) + o.as_ref().map_or(0, |x| x.probs.len()))
+        .sum();
+    let run = |pick: fn(&(Option<DiscretePld>, Option<DiscretePld>)) -> Option<&DiscretePld>, pess: bool| {
+        let parts: Vec<Part<'_>> = steps
+            .iter()
+            .zip(kinds)
+            .filter_map(|(s, k)| {
+                pick(s).map(|pld| Part {
+                    pld,
+                    count: k.count,
+                })
+            })
+            .collect();
+        compose(&parts, tail, tail, max_bins, pess)
+    };
+    let upper = if pessimistic {
+        Some(run(|s| s.0.as_ref(), true)?)
+    } else {
+        None
+    };
+    // Likewise a lower bound whose window is too large is skipped, never an error.
+    let lower = if optimistic && steps.iter().all(|s| s.1.is_some()) {
+        match run(|s| s.1.as_ref(), false) {
+            Ok(c) => Some(c),
+            Err(DpError::GridTooLarge { .. }) => None,
+            Err(e) => return Err(e),
+        }
+    } else {
+        None
+    };
+    Ok(Pass {
+        upper,
+        lower,
+        step_bins,
+    })
 }
 
 /// The loss window of the composition (in loss units), estimated on a coarse grid.
-fn window_width(groups: &[Group], dirs: &[Direction], tail: f64) -> DpResult<f64> {
+fn window_width(kinds: &[Kind], dirs: &[Direction], tail: f64) -> DpResult<f64> {
     let mut w = 0.0f64;
     for &dir in dirs {
         let mut coarse = 1e-2;
         loop {
-            match composed(groups, dir, coarse, tail, Bound::Pessimistic, 1 << 16) {
+            match composed(kinds, dir, coarse, tail, (true, false), 1 << 16) {
                 Ok(c) => {
-                    w = w.max(c.pld.probs.len() as f64 * coarse);
+                    let n = c.upper.map_or(0, |c| c.pld.probs.len());
+                    w = w.max(n as f64 * coarse);
                     break;
                 }
                 Err(DpError::GridTooLarge { .. }) if coarse < 1e6 => coarse *= 4.0,
@@ -221,21 +497,21 @@ fn window_width(groups: &[Group], dirs: &[Direction], tail: f64) -> DpResult<f64
     Ok(w)
 }
 
-fn directions(groups: &[Group]) -> Vec<Direction> {
-    if groups.iter().any(|g| g.q < 1.0) {
+fn directions(kinds: &[Kind]) -> Vec<Direction> {
+    if kinds.iter().any(Kind::subsampled) {
         vec![Direction::Remove, Direction::Add]
     } else {
         vec![Direction::Remove]
     }
 }
 
-/// The grid step for these groups (see the module docs).
-fn choose_interval(groups: &[Group], opts: &Options, tail: f64) -> DpResult<f64> {
+/// The grid step for these kinds (see the module docs).
+fn choose_interval(kinds: &[Kind], dirs: &[Direction], opts: &Options, tail: f64) -> DpResult<f64> {
     if let Some(d) = opts.interval {
         require(d > 0.0 && d.is_finite(), "value_discretization_interval", "> 0", d)?;
         return Ok(d);
     }
-    let w = window_width(groups, &directions(groups), tail)?;
+    let w = window_width(kinds, dirs, tail)?;
     let mut d = DEFAULT_INTERVAL.min(w / TARGET_BINS).max(MIN_INTERVAL);
     if w / d > 0.9 * opts.max_bins as f64 {
         d = w / (0.9 * opts.max_bins as f64);
@@ -243,38 +519,83 @@ fn choose_interval(groups: &[Group], opts: &Options, tail: f64) -> DpResult<f64>
     Ok(d)
 }
 
-/// Runs `f` on the composed PLDs of both directions, coarsening an automatic grid until the
-/// window fits `max_bins`.
-fn with_composed<T>(
-    groups: &[Group],
-    opts: &Options,
-    tail: f64,
-    bound: Bound,
-    f: impl Fn(&[Composed]) -> T,
-) -> DpResult<(T, f64)> {
-    let mut d = choose_interval(groups, opts, tail)?;
+/// Runs `f` at grid Δ = `d`, doubling an automatic Δ while the window exceeds `max_bins`.
+fn coarsened<T>(opts: &Options, mut d: f64, f: impl Fn(f64) -> DpResult<T>) -> DpResult<(T, f64)> {
     loop {
-        let mut out = Vec::new();
-        let mut too_large = false;
-        for dir in directions(groups) {
-            match composed(groups, dir, d, tail, bound, opts.max_bins) {
-                Ok(c) => out.push(c),
-                Err(DpError::GridTooLarge { .. }) if opts.interval.is_none() => {
-                    too_large = true;
-                    break;
-                }
-                Err(e) => return Err(e),
-            }
+        match f(d) {
+            Ok(v) => return Ok((v, d)),
+            Err(DpError::GridTooLarge { .. }) if opts.interval.is_none() => d *= 2.0,
+            Err(e) => return Err(e),
         }
-        if !too_large {
-            return Ok((f(&out), d));
-        }
-        d *= 2.0;
     }
 }
 
 fn check_delta(delta: f64) -> DpResult<()> {
     require(delta > 0.0 && delta < 1.0, "delta", "in (0, 1)", delta)
+}
+
+/// The lower bound on ε from a composed optimistic PLD: its δ(ε) is below the true one but for
+/// the mass that wrapped into the window (added to δ) and the transform's rounding (taken off
+/// every atom); a few ulps off the result.
+fn lower_epsilon(c: &Composed, delta: f64) -> f64 {
+    let e = curve::epsilon(&c.pld, delta + c.wrapped_in, -c.noise_floor);
+    (e - 16.0 * f64::EPSILON * (1.0 + e.abs())).max(0.0)
+}
+
+/// Both directions at grid Δ: (upper ε, lower ε, per-step atoms built); either bound only if
+/// asked for (else 0).
+fn epsilon_pass(
+    kinds: &[Kind],
+    dirs: &[Direction],
+    d: f64,
+    tail: f64,
+    delta: f64,
+    max_bins: usize,
+    want: (bool, bool),
+) -> DpResult<(f64, f64, usize)> {
+    let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
+    for &dir in dirs {
+        let p = composed(kinds, dir, d, tail, want, max_bins)?;
+        if let Some(c) = &p.upper {
+            up = up.max(curve::epsilon(&c.pld, delta, 0.0));
+        }
+        if let Some(c) = &p.lower {
+            lo = lo.max(lower_epsilon(c, delta));
+        }
+        bins += p.step_bins;
+    }
+    Ok((up, lo, bins))
+}
+
+/// Lower bounds on finer grids while the gap to `upper` is above LOWER_GAP (see the module
+/// docs): the largest of `lower` and theirs. `bins`: the per-step atoms of the pass at `d`; a
+/// finer grid is tried only while its per-step atoms (4× as many) stay within 4·max_bins.
+fn refine_lower(
+    lower: f64,
+    upper: f64,
+    mut d: f64,
+    mut bins: usize,
+    max_bins: usize,
+    pass: impl Fn(f64) -> DpResult<(f64, usize)>,
+) -> f64 {
+    let mut lo = lower;
+    for _ in 0..LOWER_REFINES {
+        if !(upper.is_finite() && upper - lo > LOWER_GAP * upper)
+            || d / 4.0 < MIN_INTERVAL
+            || 4 * bins > 4 * max_bins
+        {
+            break;
+        }
+        d /= 4.0;
+        match pass(d) {
+            Ok((l, b)) => {
+                lo = lo.max(l);
+                bins = b;
+            }
+            Err(_) => break,
+        }
+    }
+    lo
 }
 
 /// Bounds on the smallest ε with the composition (ε, δ)-DP under add-or-remove (the worse of
@@ -285,67 +606,59 @@ pub fn epsilon_bounds(
     opts: &Options,
     lower: bool,
 ) -> DpResult<Bounds> {
+    epsilon_bounds_mixed(groups, &[], delta, opts, lower)
+}
+
+/// [`epsilon_bounds`] for Poisson and truncated-Poisson groups together.
+pub fn epsilon_bounds_mixed(
+    groups: &[Group],
+    truncated: &[TruncatedGroup],
+    delta: f64,
+    opts: &Options,
+    lower: bool,
+) -> DpResult<Bounds> {
     check_delta(delta)?;
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
-    match plan(groups)? {
+    match plan(groups, truncated)? {
         Plan::Nothing => Ok(Bounds::exact(0.0, interval)),
         Plan::NonPrivate => Ok(Bounds::exact(f64::INFINITY, interval)),
         Plan::Gaussian(s) => {
             let e = curve::gaussian_epsilon(s, delta);
             Ok(Bounds::exact(e, interval))
         }
-        Plan::Mixed(g) => {
+        Plan::Mixed(k) => {
             // Tails cut from the grids and windows add at most 2·1e-4·δ to δ.
             let tail = 1e-4 * delta;
-            let (upper, d) = with_composed(&g, opts, tail, Bound::Pessimistic, |cs| {
-                cs.iter()
-                    .map(|c| curve::epsilon(&c.pld, delta, 0.0))
-                    .fold(0.0f64, f64::max)
-            })?;
+            let dirs = directions(&k);
+            let d0 = choose_interval(&k, &dirs, opts, tail)?;
+            let pass = |d: f64, want| epsilon_pass(&k, &dirs, d, tail, delta, opts.max_bins, want);
+            let ((mut upper, mut lo, mut bins), mut d) = coarsened(opts, d0, |d| pass(d, (true, lower)))?;
             // A grid step that is large next to ε itself blurs it: refine once, keep the smaller
-            // of the two certified values.
-            let (mut upper, mut d) = (upper, d);
-            if opts.interval.is_none()
-                && upper.is_finite()
-                && upper < REFINE * d
-                && d > MIN_INTERVAL
-            {
+            // of the two certified values (and the larger lower bound).
+            if opts.interval.is_none() && upper.is_finite() && upper < REFINE * d && d > MIN_INTERVAL {
                 let d2 = (upper / REFINE).max(MIN_INTERVAL);
-                let o = Options {
-                    interval: Some(d2),
-                    ..*opts
-                };
-                if let Ok((u2, _)) = with_composed(&g, &o, tail, Bound::Pessimistic, |cs| {
-                    cs.iter()
-                        .map(|c| curve::epsilon(&c.pld, delta, 0.0))
-                        .fold(0.0f64, f64::max)
-                }) {
+                if let Ok((u2, l2, b2)) = pass(d2, (true, lower)) {
+                    lo = lo.max(l2);
                     if u2 < upper {
-                        upper = u2;
-                        d = d2;
+                        (upper, d, bins) = (u2, d2, b2);
                     }
                 }
             }
-            let lower = if lower {
-                let o = Options {
-                    interval: Some(d),
-                    ..*opts
-                };
-                with_composed(&g, &o, tail, Bound::Optimistic, |cs| {
-                    cs.iter()
-                        .map(|c| {
-                            let e = curve::epsilon(&c.pld, delta + c.wrapped_in, -c.noise_floor);
-                            (e - 16.0 * f64::EPSILON * (1.0 + e.abs())).max(0.0)
-                        })
-                        .fold(0.0f64, f64::max)
-                })?
-                .0
-                .min(upper)
+            // Finer grids close only the discretisation's part of the gap: not where a kind's
+            // lower bound is another pair than its upper one (truncated Poisson).
+            let refinable = opts.interval.is_none() && k.iter().all(Kind::is_plain);
+            let lo = if lower {
+                if refinable {
+                    lo = refine_lower(lo, upper, d, bins, opts.max_bins, |dl| {
+                        pass(dl, (false, true)).map(|(_, l, b)| (l, b))
+                    });
+                }
+                lo.min(upper)
             } else {
                 0.0
             };
             Ok(Bounds {
-                lower,
+                lower: lo,
                 upper,
                 interval: d,
             })
@@ -360,9 +673,20 @@ pub fn delta_bounds(
     opts: &Options,
     lower: bool,
 ) -> DpResult<Bounds> {
+    delta_bounds_mixed(groups, &[], epsilon, opts, lower)
+}
+
+/// [`delta_bounds`] for Poisson and truncated-Poisson groups together.
+pub fn delta_bounds_mixed(
+    groups: &[Group],
+    truncated: &[TruncatedGroup],
+    epsilon: f64,
+    opts: &Options,
+    lower: bool,
+) -> DpResult<Bounds> {
     super::check_epsilon(epsilon)?;
     let interval = opts.interval.unwrap_or(DEFAULT_INTERVAL);
-    match plan(groups)? {
+    match plan(groups, truncated)? {
         Plan::Nothing => Ok(Bounds::exact(0.0, interval)),
         Plan::NonPrivate => Ok(Bounds::exact(1.0, interval)),
         Plan::Gaussian(s) => {
@@ -373,43 +697,56 @@ pub fn delta_bounds(
                 interval,
             })
         }
-        Plan::Mixed(g) => {
-            let run = |tail: f64, bound: Bound, o: &Options| {
-                with_composed(&g, o, tail, bound, |cs| {
-                    cs.iter()
-                        .map(|c| match bound {
-                            Bound::Pessimistic => curve::delta(&c.pld, epsilon, 0.0),
-                            Bound::Optimistic => (curve::delta(&c.pld, epsilon, -c.noise_floor)
-                                - c.wrapped_in)
-                                .max(0.0),
-                        })
-                        .fold(0.0f64, f64::max)
-                })
+        Plan::Mixed(k) => {
+            let dirs = directions(&k);
+            // Both directions at grid Δ with this tail budget: (upper δ, lower δ, step atoms).
+            let pass = |tail: f64, d: f64, want: (bool, bool)| -> DpResult<(f64, f64, usize)> {
+                let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
+                for &dir in &dirs {
+                    let p = composed(&k, dir, d, tail, want, opts.max_bins)?;
+                    if let Some(c) = &p.upper {
+                        up = up.max(curve::delta(&c.pld, epsilon, 0.0));
+                    }
+                    if let Some(c) = &p.lower {
+                        let v = curve::delta(&c.pld, epsilon, -c.noise_floor) - c.wrapped_in;
+                        lo = lo.max(v.max(0.0));
+                    }
+                    bins += p.step_bins;
+                }
+                Ok((up, lo, bins))
+            };
+            let run = |tail: f64, o: &Options, want: (bool, bool)| -> DpResult<((f64, f64, usize), f64)> {
+                let d0 = choose_interval(&k, &dirs, o, tail)?;
+                coarsened(o, d0, |d| pass(tail, d, want))
             };
             // The tail budget must be small next to the answer: a second pass when it is not.
-            let (mut up, mut d) = run(1e-10, Bound::Pessimistic, opts)?;
+            let ((mut up, mut lo, mut bins), mut d) = run(1e-10, opts, (true, lower))?;
             if up < 1e-6 {
-                (up, d) = run((up * 1e-4).max(1e-300), Bound::Pessimistic, opts)?;
+                let ((u, l, b), d2) = run((up * 1e-4).max(1e-300), opts, (true, lower))?;
+                (up, d, bins) = (u, d2, b);
+                lo = lo.max(l);
             }
+            let tail = (up * 1e-4).max(1e-300);
             if opts.interval.is_none() && epsilon < REFINE * d && d > MIN_INTERVAL {
                 let o = Options {
                     interval: Some((epsilon / REFINE).max(MIN_INTERVAL)),
                     ..*opts
                 };
-                if let Ok((u2, d2)) = run((up * 1e-4).max(1e-300), Bound::Pessimistic, &o) {
+                if let Ok(((u2, l2, b2), d2)) = run(tail, &o, (true, lower)) {
+                    lo = lo.max(l2);
                     if u2 < up {
-                        (up, d) = (u2, d2);
+                        (up, d, bins) = (u2, d2, b2);
                     }
                 }
             }
+            let refinable = opts.interval.is_none() && k.iter().all(Kind::is_plain);
             let lo = if lower {
-                let o = Options {
-                    interval: Some(d),
-                    ..*opts
-                };
-                run((up * 1e-4).max(1e-300), Bound::Optimistic, &o)?
-                    .0
-                    .min(up)
+                if refinable {
+                    lo = refine_lower(lo, up, d, bins, opts.max_bins, |dl| {
+                        pass(tail, dl, (false, true)).map(|(_, l, b)| (l, b))
+                    });
+                }
+                lo.min(up)
             } else {
                 0.0
             };
