@@ -102,7 +102,7 @@ def samplers(r):
         dinner = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), steps)
         row(f"repeat-and-select, E[K] = {mean:g}, shape {shape:g}", "rdp",
             lambda zz: A.RepeatAndSelectEvent(A.sampler_event("poisson", zz, steps, sampling_probability=q), mean, shape),
-            dpa.RepeatAndSelectDpEvent(dinner, mean, shape), R.RdpAccountant)
+            dpa.dp_event.RepeatAndSelectDpEvent(dinner, mean, shape), R.RdpAccountant)
 
 
 if __name__ == "__main__":
