@@ -224,6 +224,14 @@ def physical_batches(loader: Any, idx: np.ndarray) -> Iterator[Any]:
     then), and ``loader.last_indices`` holds the records of the batch just yielded."""
     m = loader.max_physical_batch_size
     chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]
+    comm = getattr(loader, "_comm", None)
+    if m is not None and getattr(loader, "equal_micro_batches", False) and comm is not None:
+        # Sharded training (FSDP2): every forward and backward pass gathers the weights with
+        # all ranks, so every rank must run the same number of them. The ranks agree on the
+        # most micro-batches any of them needs; a rank with fewer records cuts its sample into
+        # as many (smaller, possibly empty) ones.
+        k = comm.maximum(len(chunks), "agreeing on the number of micro-batches")
+        chunks = list(np.array_split(idx, k)) if k > len(chunks) else chunks
     for k, c in enumerate(chunks):
         loader.logical_batch_complete = k == len(chunks) - 1
         loader.last_indices = c

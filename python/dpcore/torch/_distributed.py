@@ -19,6 +19,22 @@ fixed-denominator average of McMahan et al. 2018, §3), cut across W ranks:
 * **Faults.** A collective that fails (a rank died, or did not answer within the process
   group's timeout) raises :class:`DistributedError` on the surviving ranks; the step is neither
   recorded nor applied.
+
+**Sharded training (FSDP2).** When the parameters are sharded by
+``torch.distributed.fsdp.fully_shard`` (DTensors, ``Shard(0)`` on a one-dimensional mesh over
+the W ranks), each rank holds rows [r·c, r·c + n_r) of every parameter, c = ⌈d₀/W⌉ (torch.chunk's
+split). The mechanism is the same single-process release, laid out differently:
+
+* per-record norms and the clipped sums come from the gathered (unsharded) weights that FSDP2
+  hands each layer's forward; every rank forms the full-shape clipped sum of its own records;
+* rank r adds the noise of *its own rows only* (its own ChaCha20 stream, keyed from the OS) to
+  its clipped sum, before the reduce-scatter; the reduce-scatter then hands rank r the sum over
+  all ranks of rows [r·c, r·c + n_r): Σ_i clip(g_i)/(qN) + N(0, (σC/(qN))²) on those rows. The
+  rows of the ranks are disjoint, so every coordinate gets its noise once, and the un-noised
+  total of a shard never exists on any rank;
+* the failure count, the ledger (rank 0, before any rank applies the update) and the commit
+  message are those of data-parallel training; each rank then sets the ``.grad`` of its shards
+  and the wrapped optimizer updates them (its state is shard-shaped: about 1/W per rank).
 """
 
 from __future__ import annotations
@@ -33,7 +49,7 @@ import torch.distributed as dist
 from ..ledger import LedgerError, PrivacyLedger
 from ._amp import work_dtype
 
-__all__ = ["DistributedError", "Communicator", "current_communicator", "resolve_ledger", "unwrap_ddp"]
+__all__ = ["DistributedError", "Communicator", "ShardLayout", "current_communicator", "is_sharded", "resolve_ledger", "unwrap_ddp"]
 
 
 class DistributedError(RuntimeError):
@@ -108,6 +124,24 @@ class Communicator:
         for t in tensors:
             self._run(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.group)
 
+    def maximum(self, value: int, what: str) -> int:
+        """The largest ``value`` over the ranks."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self._object_device())
+        self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def count(self, flag: bool, device: torch.device, what: str) -> int:
+        """How many ranks passed ``flag = True`` (one small all-reduce)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        self._run(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.group)
+        return int(t.item())
+
+    def reduce_scatter_(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], what: str) -> None:
+        """outs[k] = rank r's block (dim 0 cut in W equal blocks) of the sum over the ranks of
+        ins[k] (one reduce-scatter per tensor)."""
+        for o, i in zip(outs, ins):
+            self._run(what, dist.reduce_scatter_tensor, o, i, op=dist.ReduceOp.SUM, group=self.group)
+
     def commit(self, ok: bool, device: torch.device, what: str) -> bool:
         """Rank 0 tells every rank whether it recorded the release (its ``ok``)."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
@@ -129,6 +163,61 @@ class Communicator:
                     n = t.numel()
                     t.copy_(flat[off : off + n].view_as(t))
                     off += n
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor (a parameter sharded by FSDP2's ``fully_shard``)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(p, DTensor)
+
+
+class ShardLayout:
+    """Where this rank's rows of a ``Shard(0)`` parameter sit: the full shape, the block size c
+    (dim 0 cut as torch.chunk cuts it, padded to W·c rows for the reduce-scatter) and this
+    rank's n_r rows starting at r·c."""
+
+    def __init__(self, p: torch.Tensor, comm: "Communicator") -> None:
+        from torch.distributed.tensor import Shard
+
+        mesh, placements = p.device_mesh, tuple(p.placements)
+        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+            raise NotImplementedError(
+                f"a sharded parameter with placements {placements} on a {mesh.ndim}-dimensional mesh: dpcore supports "
+                "FSDP2's fully_shard on a one-dimensional mesh (Shard(0)) only"
+            )
+        if mesh.size() != comm.world_size:
+            raise NotImplementedError(
+                f"a parameter sharded over {mesh.size()} of the {comm.world_size} ranks: dpcore supports FSDP2 sharding "
+                "over the whole process group (no hybrid sharding)"
+            )
+        self.shape = tuple(p.shape)
+        self.world = comm.world_size
+        d0 = self.shape[0] if self.shape else 1
+        self.block = -(-d0 // self.world)
+        local = p.to_local()
+        self.rows = int(local.shape[0]) if local.dim() else 1
+        self.start = comm.rank * self.block
+        if self.rows and self.start + self.rows > d0:
+            raise NotImplementedError(f"unexpected shard of a parameter of shape {self.shape}: rows {self.start}+{self.rows}")
+        self.mesh, self.placements, self.stride = mesh, placements, p.stride()
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        return (self.rows,) + self.shape[1:]
+
+    def padded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeros of W·c rows: the reduce-scatter's input (its first d₀ rows are the full sum)."""
+        return torch.zeros((self.world * self.block,) + self.shape[1:], dtype=dtype, device=device)
+
+    def grad(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows as the DTensor gradient of the parameter."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+                                  stride=self.stride)
 
 
 def _by_dtype_device(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]]:

@@ -331,7 +331,9 @@ class PerRecordGradients:
                     continue
                 wd = work_dtype(p.dtype)
                 direct = base is not None and base.dtype == wd and base.device == p.device and base.is_contiguous()
-                acc = base if direct else torch.zeros_like(p, dtype=wd, memory_format=torch.contiguous_format)
+                # A plain tensor of the parameter's full shape, also for a sharded (FSDP2) one:
+                # the sums are reduce-scattered to the shards afterwards.
+                acc = base if direct else torch.zeros(tuple(p.shape), dtype=wd, device=p.device)
                 key = ("c", id(factors[k]))
                 c = cache.get(key)
                 if c is None:  # one scaled copy per group, shared by its parameters

@@ -33,9 +33,10 @@ from ..queries.base import derive_seed
 from ..queries.events import ComposedQueryEvent
 from ..queries.matrix_factorization import MatrixFactorizationQuery
 from ..queries.microbatch import scale_sensitivity
-from ._distributed import DistributedError, current_communicator, flat_views, resolve_ledger, unwrap_ddp
+from ._distributed import DistributedError, ShardLayout, current_communicator, flat_views, is_sharded, resolve_ledger, unwrap_ddp
 from ._amp import work_dtype
 from ._engine import PerRecordGradients, clip_factors, clip_margin
+from ._rules import GenericRule
 from .._validate import positive as _positive
 
 __all__ = ["DPOptimizer", "OverflowSkipWarning", "PlannedStepsWarning"]
@@ -209,7 +210,19 @@ class DPOptimizer(torch.optim.Optimizer):
             inner, k, self._factor = query.inner, query.microbatch_size, query.sensitivity_factor
         params = [p for g in optimizer.param_groups for p in g["params"]]
         model = unwrap_ddp(model)
-        if self._comm is not None:
+        sharded = [is_sharded(p) for p in params if p.requires_grad]
+        if any(sharded):
+            if self._comm is None:
+                raise ValueError(
+                    "the model's parameters are sharded (DTensor, FSDP2's fully_shard) but torch.distributed is not "
+                    "initialised with more than one rank"
+                )
+            if not all(sharded):
+                raise ValueError(
+                    "some trainable parameters are sharded by fully_shard and others are not: call fully_shard on the "
+                    "root module too (after its blocks), so that every parameter is sharded"
+                )
+        elif self._comm is not None:
             self._comm.broadcast_module(model)  # the ranks start from rank 0's parameters
         self.engine = PerRecordGradients(
             model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first, microbatch_size=k
@@ -219,6 +232,22 @@ class DPOptimizer(torch.optim.Optimizer):
         m = len(self._params)
         if m == 0:
             raise ValueError("the optimizer has no trainable parameter in the model")
+        #: Under FSDP2: where this rank's rows of each parameter sit (None: not sharded).
+        self._layouts: Optional[List[ShardLayout]] = None
+        if any(sharded):
+            assert self._comm is not None
+            generic = [r.name or "<root>" for r in self.engine.rules if isinstance(r, GenericRule)]
+            if generic:
+                raise NotImplementedError(
+                    f"layers without a per-layer rule ({generic[:4]}) under FSDP2: their torch.func fallback needs the "
+                    "gathered weights; register a rule for them (dpcore.torch.register_layer)"
+                )
+            self._layouts = [ShardLayout(p, self._comm) for p in self._params]
+            if data_loader is not None:
+                data_loader.equal_micro_batches = True  # see physical_batches
+        # The sharded gradients this optimizer set last (any other one FSDP2 reduced was not
+        # captured per record).
+        self._given: Dict[int, int] = {}
         if query is None:
             how: Dict[str, Any] = {"mechanism": mechanism, "granularity": granularity}
             if clipping == "per_layer":
@@ -307,6 +336,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self.grad_scaler: Any = None
         if grad_scaler is not None:
             self.attach_grad_scaler(grad_scaler)
+
+    def _noise_shape(self, k: int) -> Tuple[int, ...]:
+        """The shape of parameter k's noise on this rank: its own rows when sharded."""
+        if self._layouts is not None:
+            return self._layouts[k].local_shape
+        return tuple(self._params[k].shape)
 
     def _check_mf_loader(self) -> None:
         """A matrix-factorization query's participation schema must be the data loader's (when
@@ -513,9 +548,9 @@ class DPOptimizer(torch.optim.Optimizer):
                     continue
                 p = self._params[k]
                 ndt = np.float64 if p.dtype == torch.float64 else np.float32
-                z = gaussian_noise(
-                    tuple(p.shape), sd, dtype=ndt, seed=derive_seed(self._seed, step, gi, j), parallel=parallel
-                )
+                # Sharded: each rank draws its own rows' noise (a test seed gives each rank its own).
+                path = (step, gi, j) if self._layouts is None else (step, gi, j, self._comm.rank)  # type: ignore[union-attr]
+                z = gaussian_noise(self._noise_shape(k), sd, dtype=ndt, seed=derive_seed(self._seed, *path), parallel=parallel)
                 row.append(torch.from_numpy(z))
             out.append(row)
         return out
@@ -550,6 +585,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 # Shared with torch without a copy on CPU; copied to the device otherwise.
                 z = z.to(device=p.device, dtype=work_dtype(p.dtype), non_blocking=True)
                 acc = self._acc[k]
+                if self._layouts is not None:
+                    # This rank's rows of the full-shape sum (a view of the reduce-scatter's input).
+                    lay = self._layouts[k]
+                    if lay.rows and acc is not None:
+                        acc.narrow(0, lay.start, lay.rows).add_(z)
+                    continue
                 self._acc[k] = z if acc is None else acc.add_(z)
 
     # -- matrix-factorization (correlated) noise ------------------------------------------
@@ -753,7 +794,11 @@ class DPOptimizer(torch.optim.Optimizer):
         for k, gr in enumerate(self._acc):
             if gr is not None:
                 p = self._params[k]
-                self._params[k].grad = gr if gr.dtype == p.dtype else gr.to(p.dtype)
+                gr = gr if gr.dtype == p.dtype else gr.to(p.dtype)
+                if self._layouts is not None:
+                    gr = self._layouts[k].grad(gr)
+                    self._given[k] = id(gr)
+                self._params[k].grad = gr
         self._acc = [None] * len(self._acc)
 
     def _logical_complete(self) -> bool:
@@ -874,6 +919,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._check_mf_step(drawn)
         if self._comm is not None and releasing:
             try:
+                self._check_uncaptured()
                 b, factors = self._clip_factors()
             except BaseException as e:
                 # The other ranks are about to meet this one in the step's collectives: tell them,
@@ -999,6 +1045,61 @@ class DPOptimizer(torch.optim.Optimizer):
                 merged = [g.query.merge_norm_states(a, o) for g, a, o in zip(self._groups, merged, other)]
         return comm.share(self._noised_plans(merged) if comm.is_root else None, f"step {step}: sharing the release plans")
 
+    def _gather_held(self, views: List[torch.Tensor]) -> None:
+        """Earlier micro-batches of this logical batch into the release's buffers (views), which
+        become the accumulators."""
+        for k, acc in enumerate(self._acc):
+            if acc is not None:
+                views[k].add_(acc.to(device=views[k].device, dtype=views[k].dtype))
+        self._acc = list(views)
+
+    @staticmethod
+    def _raise_failures(step: int, failures: int) -> None:
+        if failures:
+            raise DistributedError(
+                f"step {step}: {failures} rank(s) failed before the reduction of the clipped sums (see their errors); "
+                "nothing was released or recorded"
+            )
+
+    def _reduce_scatter(
+        self, step: int, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException], local: bool
+    ) -> bool:
+        """The sharded (FSDP2) reduction (:mod:`dpcore.torch._distributed`): this rank's clipped
+        sums in full shape, its own rows' noise added, one reduce-scatter per parameter; the
+        accumulators are then this rank's rows of the noised average. False when this rank
+        failed (after telling the others)."""
+        comm, layouts = self._comm, self._layouts
+        assert comm is not None and layouts is not None
+        pads = [lay.padded(work_dtype(p.dtype), p.device) for lay, p in zip(layouts, self._params)]
+        if failed is None:
+            self._gather_held([pad[: lay.shape[0]] for pad, lay in zip(pads, layouts)])
+            self._add_noise()  # this rank's rows only, from its own generator
+            self._accumulate(b, factors)
+        if local:
+            failures = comm.count(failed is not None, self._params[0].device, f"step {step}: counting failed ranks")
+            if failed is not None:
+                self._discard()
+                return False
+            self._raise_failures(step, failures)
+        outs = [torch.empty((lay.block,) + lay.shape[1:], dtype=pad.dtype, device=pad.device) for lay, pad in zip(layouts, pads)]
+        comm.reduce_scatter_(outs, pads, f"step {step}: reduce-scatter of the clipped sums")
+        del pads
+        self._acc = [o[: lay.rows] for o, lay in zip(outs, layouts)]
+        return True
+
+    def _check_uncaptured(self) -> None:
+        """Under FSDP2 a gradient that reached a shard by FSDP2's own reduce-scatter was not
+        captured per record (a parameter used outside its module's forward): refuse the step."""
+        if self._layouts is None:
+            return
+        for k, p in enumerate(self._params):
+            if p.grad is not None and id(p.grad) != self._given.get(k):
+                raise RuntimeError(
+                    f"parameter {self.param_names[k]!r} received a gradient that dpcore.torch did not capture per record "
+                    "(FSDP2 reduced it): some code used it outside its module's forward. Register a rule for the module "
+                    "that uses it (dpcore.torch.register_layer), or freeze it; nothing was released"
+                )
+
     def _step_distributed(self, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException] = None) -> None:
         """One data-parallel release (:mod:`dpcore.torch._distributed`): the queries' plans
         from the norm states of all ranks, decided on rank 0; this rank's clipped sums (and on
@@ -1017,28 +1118,25 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._pending = self._shared_plans(step, failed)
                 if failed is not None:
                     return  # the caller raises this rank's own error
-            bufs, views = flat_views(self._params, flag=local)
-            if failed is None:
-                for k, acc in enumerate(self._acc):  # earlier micro-batches of this logical batch
-                    if acc is not None:
-                        views[k].add_(acc.to(device=views[k].device, dtype=views[k].dtype))
-                self._acc = list(views)
-                if comm.is_root:
-                    self._add_noise()  # the release's noise, once, from rank 0's generator
-                self._accumulate(b, factors)  # in place into the views
-            elif local:
-                bufs[0][-1] = 1
-            comm.sum_(bufs, f"step {step}: all-reduce of the clipped sums")
-            if local:
-                failures = int(bufs[0][-1].item())
-                if failed is not None:
-                    self._discard()
+            if self._layouts is not None:
+                if not self._reduce_scatter(step, b, factors, failed, local):
                     return
-                if failures:
-                    raise DistributedError(
-                        f"step {step}: {failures} rank(s) failed before the all-reduce (see their errors); "
-                        "nothing was released or recorded"
-                    )
+            else:
+                bufs, views = flat_views(self._params, flag=local)
+                if failed is None:
+                    self._gather_held(views)
+                    if comm.is_root:
+                        self._add_noise()  # the release's noise, once, from rank 0's generator
+                    self._accumulate(b, factors)  # in place into the views
+                elif local:
+                    bufs[0][-1] = 1
+                comm.sum_(bufs, f"step {step}: all-reduce of the clipped sums")
+                if local:
+                    failures = int(bufs[0][-1].item())
+                    if failed is not None:
+                        self._discard()
+                        return
+                    self._raise_failures(step, failures)
         except BaseException:
             self._discard()
             raise

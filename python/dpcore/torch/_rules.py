@@ -381,7 +381,8 @@ class EmbeddingRule(LayerRule):
                 g = g * (i != m.padding_idx).unsqueeze(-1).to(g.dtype)
             self.add(Rows(w, i.reshape(i.shape[0], -1) if i.dim() else i.reshape(1, 1), g))
 
-        return _EmbeddingFn.apply(idx, w, m, sink)
+        # The module's weight as it is now: under FSDP2 the gathered one (``w`` is the shard).
+        return _EmbeddingFn.apply(idx, m.weight, m, sink)
 
 
 class ConvRule(LayerRule):

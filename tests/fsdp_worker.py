@@ -1,0 +1,147 @@
+"""One rank of the FSDP2 tests (tests/test_torch_fsdp.py starts two of these).
+
+Usage: python fsdp_worker.py SCENARIO OUTDIR [key=value ...]; RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT come from the environment, as torchrun sets them. Each rank writes OUTDIR/rank{r}.pt.
+
+The model is sharded with ``torch.distributed.fsdp.fully_shard`` (FSDP2): each block, then the
+root. Every rank builds it from the same seed (FSDP2 shards each rank's copy; it does not
+broadcast), so that a two-rank run starts where the one-process reference does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpcore.torch import DistributedError, make_private
+
+N, D, K, V, T = 240, 12, 5, 50, 6
+
+
+class Net(torch.nn.Module):
+    """Embedding + LayerNorm + two Linear blocks: rows of dims 7 and 5 shard unevenly on 2 ranks."""
+
+    def __init__(self, width: int = 7) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.norm = torch.nn.LayerNorm(D)
+        self.fc1 = torch.nn.Linear(D, width)
+        self.fc2 = torch.nn.Linear(width, K)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(idx)).mean(1)
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
+def model(init_seed: int = 0, width: int = 7) -> torch.nn.Module:
+    torch.manual_seed(init_seed)
+    return Net(width)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (N, T), generator=g)
+    y = torch.randint(0, K, (N,), generator=g)
+    return TensorDataset(x, y)
+
+
+def shard(net: torch.nn.Module, mp: str) -> torch.nn.Module:
+    kw = {}
+    if mp == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in (net.emb, net.fc1, net.fc2):
+        fully_shard(m, **kw)
+    fully_shard(net, **kw)
+    return net
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    opts = dict(a.split("=", 1) for a in sys.argv[3:])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(opts.get("timeout", 60))))
+    rank = dist.get_rank()
+    steps = int(opts.get("steps", 4))
+    batch = int(opts.get("batch", 48))
+    z = float(opts.get("noise", 0.0))
+    clip = float(opts.get("clip", 0.5))
+    seed = int(opts["seed"]) if "seed" in opts else None
+    ledger = opts.get("ledger", os.path.join(out, "ledger.jsonl"))
+    net = shard(model(0, int(opts.get("width", 7))), opts.get("mp", "none"))
+    kw: dict = {}
+    if opts.get("adaptive") == "1":
+        from dpcore.queries import QuantileAdaptiveClipQuery
+
+        q = batch / N
+        kw["query"] = QuantileAdaptiveClipQuery(
+            initial_l2_norm_clip=clip, noise_multiplier=z, target_unclipped_quantile=0.5, learning_rate=0.2,
+            clipped_count_stddev=0.0, expected_num_records=q * N, denominator=q * N,
+        )
+    else:
+        kw["noise_multiplier"], kw["max_grad_norm"] = z, clip
+    if "physical" in opts:
+        kw["max_physical_batch_size"] = int(opts["physical"])
+    ds = dataset()
+    opt_cls = torch.optim.Adam if opts.get("optim") == "adam" else torch.optim.SGD
+    opt = opt_cls(net.parameters(), lr=float(opts.get("lr", 0.05)))
+    net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed, **kw)
+    loader.steps = steps
+    result: dict = {"indices": [], "errors": None, "completed": 0, "clips": []}
+    nan_at = int(opts.get("nan_at", -1))
+    cur: list = []
+    die_after = int(opts.get("die_after", -1))
+    grads: list = []
+    try:
+        for x, y in loader:
+            cur.append(loader.last_indices.copy())
+            opt.zero_grad()
+            # Under FSDP2 every rank runs every forward and backward pass (they gather the
+            # weights together), also on an empty batch.
+            if True:
+                out_ = net(x)
+                if rank == 1 and result["completed"] == nan_at:
+                    bad = torch.ones(len(x), 1)
+                    bad[0] = float("nan")
+                    out_ = out_ * bad  # a non-finite record on one rank only
+                loss = (out_ * 0.0).sum() if scenario == "noise" else torch.nn.functional.cross_entropy(out_, y)
+                loss.backward()
+            opt.step()
+            if opt.last_step_released:
+                import numpy as np
+
+                result["indices"].append(np.concatenate(cur) if cur else np.zeros(0, np.int64))
+                cur = []
+                result["completed"] += 1
+                result["clips"].append(opt._groups[0].plan().l2_norm_clip)
+                if scenario == "noise":
+                    grads.append([p.grad.full_tensor().detach().clone() for p in net.parameters()])
+                if rank == 1 and result["completed"] == die_after:
+                    os._exit(3)
+    except (DistributedError, ValueError) as e:
+        result["errors"] = f"{type(e).__name__}: {e}"
+    result["params"] = [p.full_tensor().detach().clone() for p in net.parameters()]
+    result["local_numel"] = sum(p.to_local().numel() for p in net.parameters())
+    result["full_numel"] = sum(p.numel() for p in net.parameters())
+    result["state_local_numel"] = sum(
+        v.to_local().numel() if hasattr(v, "to_local") else 0 for s in opt.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    result["grads"] = grads
+    result["epsilon"] = opt.get_epsilon(1e-5)
+    result["releases"] = opt.ledger.num_releases
+    result["replica"] = opt.ledger.is_replica
+    result["noise_std"] = z * clip / batch
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if result["errors"] is None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
