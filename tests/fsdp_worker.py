@@ -39,9 +39,22 @@ class Net(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(h)))
 
 
-def model(init_seed: int = 0, width: int = 7) -> torch.nn.Module:
+class Encoder(torch.nn.Module):
+    """Embedding + a TransformerEncoderLayer (attention, LayerNorms, feed-forward) + a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, 16)
+        self.block = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=30, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(16, K)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(idx)).mean(1))
+
+
+def model(init_seed: int = 0, width: int = 7, kind: str = "net") -> torch.nn.Module:
     torch.manual_seed(init_seed)
-    return Net(width)
+    return Encoder() if kind == "encoder" else Net(width)
 
 
 def dataset() -> TensorDataset:
@@ -55,7 +68,8 @@ def shard(net: torch.nn.Module, mp: str) -> torch.nn.Module:
     kw = {}
     if mp == "bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for m in (net.emb, net.fc1, net.fc2):
+    blocks = (net.emb, net.block, net.head) if isinstance(net, Encoder) else (net.emb, net.fc1, net.fc2)
+    for m in blocks:
         fully_shard(m, **kw)
     fully_shard(net, **kw)
     return net
@@ -73,7 +87,7 @@ def main() -> None:
     clip = float(opts.get("clip", 0.5))
     seed = int(opts["seed"]) if "seed" in opts else None
     ledger = opts.get("ledger", os.path.join(out, "ledger.jsonl"))
-    net = shard(model(0, int(opts.get("width", 7))), opts.get("mp", "none"))
+    net = shard(model(0, int(opts.get("width", 7)), opts.get("model", "net")), opts.get("mp", "none"))
     kw: dict = {}
     if opts.get("adaptive") == "1":
         from dpcore.queries import QuantileAdaptiveClipQuery

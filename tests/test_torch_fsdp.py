@@ -34,8 +34,10 @@ def launch(scenario: str, out: Path, **opts: object) -> list:
         _td.WORKER = old
 
 
-def one_process(indices: list, *, clip: float, batch: int, lr: float, optim: str = "sgd", adaptive: bool = False) -> list:
-    net = fsdp_worker.model(0)
+def one_process(
+    indices: list, *, clip: float, batch: int, lr: float, optim: str = "sgd", adaptive: bool = False, kind: str = "net"
+) -> list:
+    net = fsdp_worker.model(0, kind=kind)
     ds = fsdp_worker.dataset()
     q = batch / fsdp_worker.N
     kw: dict = dict(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=q * fsdp_worker.N)
@@ -86,6 +88,18 @@ def test_two_sharded_ranks_train_like_one_process(tmp_path: Path, optim: str, ph
     assert any(not torch.allclose(a, s) for a, s in zip(r0["params"], start))  # training moved them
     assert r0["releases"] == r1["releases"] == 4
     assert not r0["replica"] and r1["replica"]
+
+
+def test_a_sharded_transformer_layer_trains_like_one_process(tmp_path: Path) -> None:
+    """Attention (packed in-projection, out-projection), LayerNorms and the feed-forward of a
+    TransformerEncoderLayer, sharded as one FSDP2 unit."""
+    _ok(launch("train", tmp_path, seed=7, steps=3, model="encoder", lr=0.05), tmp_path)
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    ref = one_process(_union(r0, r1), clip=0.5, batch=48, lr=0.05, kind="encoder")
+    start = [p.detach() for p in fsdp_worker.model(0, kind="encoder").parameters()]
+    for a, b, s in zip(r0["params"], ref, start):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(a, s) for a, s in zip(r0["params"], start))
 
 
 def test_adaptive_clipping_is_shared_by_the_shards(tmp_path: Path) -> None:
