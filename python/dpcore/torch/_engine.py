@@ -310,7 +310,12 @@ class PerRecordGradients:
 
     @torch.no_grad()
     def clipped_sums(
-        self, factors: List[Optional[torch.Tensor]], into: Optional[Sequence[Optional[torch.Tensor]]] = None
+        self,
+        factors: List[Optional[torch.Tensor]],
+        into: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        *,
+        only: Optional[int] = None,
+        clear: bool = True,
     ) -> List[Optional[torch.Tensor]]:
         """Σ_i c_i·g_i per parameter (on its device, in float32 or wider: :func:`work_dtype`);
         None where no record.
@@ -318,7 +323,12 @@ class PerRecordGradients:
         Call after :meth:`squared_norms`. With ``into``, parameter k's sum is added in place
         into ``into[k]`` when that is a tensor (and that tensor is returned): a linear use's
         product accumulates straight onto it (one ``addmm_``). A failure part-way may leave
-        some of ``into`` updated and others not; callers discard them then."""
+        some of ``into`` updated and others not; callers discard them then.
+
+        ``only=k`` forms parameter k's sum alone (the others are returned as given), and
+        ``clear=False`` keeps the factors for further calls: sharded training forms and
+        reduce-scatters one parameter at a time, so that no full-size buffer of every parameter
+        is ever held (call :meth:`clear` after the last)."""
         into = [None] * len(factors) if into is None else into
         out: List[Optional[torch.Tensor]] = []
         cache: Dict[Any, torch.Tensor] = {}
@@ -326,7 +336,7 @@ class PerRecordGradients:
             for k, p in enumerate(self.params):
                 used = self._used[k] if k < len(self._used) else None
                 base = into[k]
-                if used is None or factors[k] is None:
+                if used is None or factors[k] is None or (only is not None and k != only):
                     out.append(base)
                     continue
                 wd = work_dtype(p.dtype)
@@ -344,5 +354,6 @@ class PerRecordGradients:
                     acc = base.add_(acc.to(device=base.device, dtype=base.dtype))
                 out.append(acc)
         finally:
-            self.clear()
+            if clear:
+                self.clear()
         return out

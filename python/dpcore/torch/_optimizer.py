@@ -585,12 +585,6 @@ class DPOptimizer(torch.optim.Optimizer):
                 # Shared with torch without a copy on CPU; copied to the device otherwise.
                 z = z.to(device=p.device, dtype=work_dtype(p.dtype), non_blocking=True)
                 acc = self._acc[k]
-                if self._layouts is not None:
-                    # This rank's rows of the full-shape sum (a view of the reduce-scatter's input).
-                    lay = self._layouts[k]
-                    if lay.rows and acc is not None:
-                        acc.narrow(0, lay.start, lay.rows).add_(z)
-                    continue
                 self._acc[k] = z if acc is None else acc.add_(z)
 
     # -- matrix-factorization (correlated) noise ------------------------------------------
@@ -1064,27 +1058,47 @@ class DPOptimizer(torch.optim.Optimizer):
     def _reduce_scatter(
         self, step: int, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException], local: bool
     ) -> bool:
-        """The sharded (FSDP2) reduction (:mod:`dpcore.torch._distributed`): this rank's clipped
-        sums in full shape, its own rows' noise added, one reduce-scatter per parameter; the
+        """The sharded (FSDP2) reduction (:mod:`dpcore.torch._distributed`), one parameter at a
+        time so that no rank ever holds full-size sums of every parameter at once: the
+        parameter's clipped sum over this rank's records in full shape (plus the logical batch's
+        earlier micro-batches), this rank's own rows' noise added, one reduce-scatter; the
         accumulators are then this rank's rows of the noised average. False when this rank
         failed (after telling the others)."""
         comm, layouts = self._comm, self._layouts
         assert comm is not None and layouts is not None
-        pads = [lay.padded(work_dtype(p.dtype), p.device) for lay, p in zip(layouts, self._params)]
-        if failed is None:
-            self._gather_held([pad[: lay.shape[0]] for pad, lay in zip(pads, layouts)])
-            self._add_noise()  # this rank's rows only, from its own generator
-            self._accumulate(b, factors)
         if local:
             failures = comm.count(failed is not None, self._params[0].device, f"step {step}: counting failed ranks")
             if failed is not None:
                 self._discard()
                 return False
             self._raise_failures(step, failures)
-        outs = [torch.empty((lay.block,) + lay.shape[1:], dtype=pad.dtype, device=pad.device) for lay, pad in zip(layouts, pads)]
-        comm.reduce_scatter_(outs, pads, f"step {step}: reduce-scatter of the clipped sums")
-        del pads
-        self._acc = [o[: lay.rows] for o, lay in zip(outs, layouts)]
+        noise: Dict[int, torch.Tensor] = {}
+        for g, row in zip(self._groups, self._noise(step)):
+            for k, z in zip(g.members, row):
+                if z is not None:
+                    noise[k] = z
+        m = len(self._params)
+        held, self._acc = self._acc, [None] * m
+        outs: List[Optional[torch.Tensor]] = []
+        for k, (lay, p) in enumerate(zip(layouts, self._params)):
+            pad = lay.padded(work_dtype(p.dtype), p.device)
+            full = pad[: lay.shape[0]]
+            if held[k] is not None:
+                full.add_(held[k].to(device=full.device, dtype=full.dtype))
+                held[k] = None
+            z = noise.pop(k, None)
+            if z is not None and lay.rows:  # this rank's rows only, from its own generator
+                full.narrow(0, lay.start, lay.rows).add_(z.to(device=full.device, dtype=full.dtype))
+            if b > 0 and factors[k] is not None:
+                into: List[Optional[torch.Tensor]] = [None] * m
+                into[k] = full
+                self.engine.clipped_sums(factors, into=into, only=k, clear=False)
+            out = torch.empty((lay.block,) + lay.shape[1:], dtype=pad.dtype, device=pad.device)
+            comm.reduce_scatter_([out], [pad], f"step {step}: reduce-scatter of the clipped sums")
+            del pad, full
+            outs.append(out[: lay.rows])
+        self.engine.clear()
+        self._acc = outs
         return True
 
     def _check_uncaptured(self) -> None:
