@@ -217,6 +217,14 @@ impl ChaCha20 {
         out
     }
 
+    /// Positions the generator at word `word` of its stream, in the order `next_word` reads the
+    /// words (word-major batches of sixteen blocks, the first batch starting at block 0).
+    pub fn seek_word(&mut self, word: u64) {
+        self.counter = (word / BATCH_WORDS as u64) * LANES as u64;
+        self.refill();
+        self.pos = (word % BATCH_WORDS as u64) as usize;
+    }
+
     #[inline(never)]
     fn refill(&mut self) {
         batch(&self.key, self.stream, self.counter, &mut self.buf);
@@ -336,7 +344,7 @@ mod tests {
 
     #[test]
     fn tiers_agree() {
-        let key: [u32; 8] = core::array::from_fn(|i| i as u32 * 0x9e37_79b9);
+        let key: [u32; 8] = core::array::from_fn(|i| (i as u32).wrapping_mul(0x9e37_79b9));
         let (mut a, mut b) = ([0u32; BATCH_WORDS], [0u32; BATCH_WORDS]);
         batch(&key, 3, 1 << 40, &mut a);
         batch_generic(&key, 3, 1 << 40, &mut b);

@@ -16,6 +16,8 @@ __all__ = [
     "discrete_release",
     "part_sumsq",
     "gaussian_flat",
+    "chacha_stream_words",
+    "seed_key",
     "poisson_sample",
     "fixed_size_sample",
     "ledger_scan",
@@ -113,6 +115,12 @@ def part_sumsq(arrays: List[np.ndarray], parallel: bool = True) -> List[npt.NDAr
     calling thread."""
 def gaussian_flat(n: int, stddev: float, double: bool, seed: Optional[int] = None, parallel: bool = True) -> np.ndarray:
     """`n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread."""
+def chacha_stream_words(key: bytes, part: int, chunk: int, n: int, start: int = 0) -> npt.NDArray[np.uint32]:
+    """Words `[start, start + n)` (uint32) of the noise stream of chunk `chunk` of part `part` of
+    the 32-byte `key`, in the order the core reads them: for checking the accelerator noise."""
+def seed_key(seed: int) -> bytes:
+    """The 32-byte ChaCha20 key an integer `seed` stands for in every seeded call (tests and
+    reproductions only: anyone who knows the seed knows the noise)."""
 def mf_noise(
     kind: str,
     coefficients: List[float],

@@ -18,11 +18,12 @@ use crate::mechanism::{discrete_gaussian_sum, discrete_release as release, gauss
 use crate::mf::{correlated_noise, Strategy};
 use crate::noise::gaussian;
 use crate::records::{Column, Part, Records};
-use crate::rng::Seed;
+use crate::rng::{Domain, Seed};
 use crate::{clip, sampling, DpResult};
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 fn to_py(e: DpError) -> PyErr {
@@ -366,6 +367,31 @@ fn gaussian_flat(
     }
 }
 
+/// Words `[start, start + n)` (uint32) of the noise stream of chunk `chunk` of part `part` of
+/// the 32-byte `key`, in the order the core reads them: for checking the accelerator noise.
+#[pyfunction]
+#[pyo3(signature = (key, part, chunk, n, start=0))]
+fn chacha_stream_words(
+    py: Python<'_>,
+    key: &[u8],
+    part: usize,
+    chunk: u64,
+    n: usize,
+    start: u64,
+) -> PyResult<Py<PyAny>> {
+    let key: crate::rng::Key = key
+        .try_into()
+        .map_err(|_| PyValueError::new_err(format!("key: must be 32 bytes, got {}", key.len())))?;
+    detached_array(py, || crate::rng::stream_words(&key, Domain::Noise, part, chunk, start, n))
+}
+
+/// The 32-byte ChaCha20 key an integer `seed` stands for in every seeded call (tests and
+/// reproductions only: anyone who knows the seed knows the noise).
+#[pyfunction]
+fn seed_key(py: Python<'_>, seed: u64) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, &crate::rng::seed_key(seed))
+}
+
 /// Sorted indices of a Poisson sample (uint64).
 #[pyfunction]
 #[pyo3(signature = (n, q, seed=None))]
@@ -598,6 +624,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         gaussian_sum_flat, record_norms, clip_sum_groups, gaussian_release, discrete_params,
         discrete_gaussian_sum_flat, clip_round_sum, discrete_release, part_sumsq, gaussian_flat,
         poisson_sample, fixed_size_sample, ledger_scan, mf_noise, mf_unit_noise, mf_advance, mf_advance_and_draw,
+        chacha_stream_words, seed_key,
     ]);
     accounting::register(m)?;
     m.add("NOISE_CHUNK", crate::noise::NOISE_CHUNK)?;

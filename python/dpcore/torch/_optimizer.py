@@ -35,6 +35,7 @@ from ..queries.matrix_factorization import MatrixFactorizationQuery
 from ..queries.microbatch import scale_sensitivity
 from ._distributed import DistributedError, ShardLayout, current_communicator, flat_views, is_sharded, resolve_ledger, unwrap_ddp
 from ._amp import work_dtype
+from ._device_noise import device_gaussian_noise
 from ._engine import PerRecordGradients, clip_factors, clip_margin
 from ._rules import GenericRule
 from .._validate import positive as _positive
@@ -330,12 +331,32 @@ class DPOptimizer(torch.optim.Optimizer):
         # Which parameters train is fixed at wrap time (see _check_trainable).
         names = {id(p): n for n, p in model.named_parameters()}
         self._watch = [(names.get(id(p), f"<parameter of shape {tuple(p.shape)}>"), p, p.requires_grad) for p in params]
+        self._noise_device = "auto"
         #: Steps skipped because the GradScaler found an overflow (nothing released or recorded).
         self.skipped_steps = 0
         self._overflowed = False
         self.grad_scaler: Any = None
         if grad_scaler is not None:
             self.attach_grad_scaler(grad_scaler)
+
+    @property
+    def noise_device(self) -> str:
+        """Where the Gaussian noise is drawn: ``"auto"`` (default: on the parameter's device when
+        that is an accelerator, by :func:`dpcore.torch._device_noise.device_gaussian_noise`; by
+        the Rust core on CPU), ``"device"`` (always torch's ChaCha20, also on CPU) or ``"host"``
+        (always the core, copied to the device). Both are ChaCha20 keyed from the OS."""
+        return self._noise_device
+
+    @noise_device.setter
+    def noise_device(self, mode: str) -> None:
+        if mode not in ("auto", "device", "host"):
+            raise ValueError(f"noise_device must be 'auto', 'device' or 'host', got {mode!r}")
+        self._noise_device = mode
+        self._next_noise = None  # a draw made ahead under the old mode is not used
+
+    def _on_device(self, p: torch.Tensor) -> bool:
+        mode = self._noise_device
+        return mode == "device" or (mode == "auto" and p.device.type != "cpu")
 
     def _noise_shape(self, k: int) -> Tuple[int, ...]:
         """The shape of parameter k's noise on this rank: its own rows when sharded."""
@@ -547,10 +568,18 @@ class DPOptimizer(torch.optim.Optimizer):
                     row.append(None)
                     continue
                 p = self._params[k]
-                ndt = np.float64 if p.dtype == torch.float64 else np.float32
                 # Sharded: each rank draws its own rows' noise (a test seed gives each rank its own).
                 path = (step, gi, j) if self._layouts is None else (step, gi, j, self._comm.rank)  # type: ignore[union-attr]
-                z = gaussian_noise(self._noise_shape(k), sd, dtype=ndt, seed=derive_seed(self._seed, *path), parallel=parallel)
+                seed = derive_seed(self._seed, *path)
+                if self._on_device(p):
+                    # Drawn where the parameter lives: no host generation, no copy per step.
+                    row.append(device_gaussian_noise(
+                        self._noise_shape(k), sd, device=p.device, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
+                        seed=seed,
+                    ))
+                    continue
+                ndt = np.float64 if p.dtype == torch.float64 else np.float32
+                z = gaussian_noise(self._noise_shape(k), sd, dtype=ndt, seed=seed, parallel=parallel)
                 row.append(torch.from_numpy(z))
             out.append(row)
         return out
