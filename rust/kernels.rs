@@ -283,6 +283,16 @@ pub(crate) fn tier() -> Tier {
     Tier::Baseline
 }
 
+/// The name of the tier [`tier`] picks on this CPU ("avx512", "avx2" or "baseline"): what a
+/// build (a manylinux wheel, say) dispatches to at run time.
+pub fn tier_name() -> &'static str {
+    match tier() {
+        Tier::Avx512 => "avx512",
+        Tier::Avx2 => "avx2",
+        Tier::Baseline => "baseline",
+    }
+}
+
 /// Calls the widest compiled tier of kernel `$f` that this CPU supports. With `explicit`, the
 /// kernel of `mod explicit` serves every x86 tier for element types that have one.
 macro_rules! dispatch {

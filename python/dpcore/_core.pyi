@@ -18,6 +18,7 @@ __all__ = [
     "gaussian_flat",
     "chacha_stream_words",
     "seed_key",
+    "simd_tier",
     "poisson_sample",
     "fixed_size_sample",
     "ledger_scan",
@@ -118,6 +119,8 @@ def gaussian_flat(n: int, stddev: float, double: bool, seed: Optional[int] = Non
 def chacha_stream_words(key: bytes, part: int, chunk: int, n: int, start: int = 0) -> npt.NDArray[np.uint32]:
     """Words `[start, start + n)` (uint32) of the noise stream of chunk `chunk` of part `part` of
     the 32-byte `key`, in the order the core reads them: for checking the accelerator noise."""
+def simd_tier() -> str:
+    """The SIMD tier the kernels dispatch to on this CPU: "avx512", "avx2" or "baseline"."""
 def seed_key(seed: int) -> bytes:
     """The 32-byte ChaCha20 key an integer `seed` stands for in every seeded call (tests and
     reproductions only: anyone who knows the seed knows the noise)."""

@@ -392,6 +392,13 @@ fn seed_key(py: Python<'_>, seed: u64) -> Bound<'_, PyBytes> {
     PyBytes::new(py, &crate::rng::seed_key(seed))
 }
 
+/// The SIMD tier the kernels dispatch to on this CPU at run time: "avx512", "avx2" or
+/// "baseline" (the wheel's smoke test checks it against the CPU's flags).
+#[pyfunction]
+fn simd_tier() -> &'static str {
+    crate::kernels::tier_name()
+}
+
 /// Sorted indices of a Poisson sample (uint64).
 #[pyfunction]
 #[pyo3(signature = (n, q, seed=None))]
@@ -624,7 +631,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         gaussian_sum_flat, record_norms, clip_sum_groups, gaussian_release, discrete_params,
         discrete_gaussian_sum_flat, clip_round_sum, discrete_release, part_sumsq, gaussian_flat,
         poisson_sample, fixed_size_sample, ledger_scan, mf_noise, mf_unit_noise, mf_advance, mf_advance_and_draw,
-        chacha_stream_words, seed_key,
+        chacha_stream_words, seed_key, simd_tier,
     ]);
     accounting::register(m)?;
     m.add("NOISE_CHUNK", crate::noise::NOISE_CHUNK)?;

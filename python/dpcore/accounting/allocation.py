@@ -81,7 +81,6 @@ import math
 from typing import Any, Tuple
 
 import numpy as np
-from scipy import special
 
 from .._validate import count as _count, real as _real
 
@@ -314,6 +313,8 @@ def _log_binomials(N: int) -> Tuple[np.ndarray, np.ndarray]:
     """log C(n, k) for 0 ≤ k ≤ n < N (−inf above the diagonal), and bounds on their absolute
     errors plus the rounding of adding them to a term (three log-gammas, two subtractions,
     and 2ε·|log C|)."""
+    from scipy import special  # here, not at import: `import dpcore` stays fast
+
     lg = special.gammaln(np.arange(N, dtype=np.float64) + 1.0)
     n = np.arange(N)[:, None]
     k = np.arange(N)[None, :]
@@ -541,6 +542,8 @@ def _add_tail_limits(r: float, kappa: float, vt: float, log_t: float) -> Tuple[f
     while _log_gamma_q_upper(r, x) > -target:
         x *= 1.25
     v_hi = math.log(x) - log_c - log_t
+    from scipy import special
+
     log_phi_tail = float(special.log_ndtr(-z_c)) + 1e-12
     log_hi = log_b + float(np.logaddexp(log_phi_tail, _log_gamma_q_upper(r, x)))
     return v_lo, v_hi, log_lo, log_hi
