@@ -36,6 +36,31 @@ _CHUNK = 1 << 25
 
 RowRange = Optional[Tuple[int, int]]
 
+#: Key of a cache dict's entry holding the ids of the factors that more than one use shares
+#: (see :func:`shared_factors`); with it, Gram matrices and scaled copies of other factors are
+#: not kept once their use is done (they would otherwise all stay alive until the step ends).
+SHARED = "shared-factors"
+
+
+def shared_factors(cs: Sequence["Contribution"]) -> set:
+    """Ids of the factor tensors (activations, output gradients) of weight uses that appear in
+    more than one :class:`Factored` use: only those are worth caching."""
+    seen: set = set()
+    twice: set = set()
+    for c in cs:
+        if isinstance(c, Factored) and c.a is not None:
+            for t in (c.a, c.g):
+                (twice if id(t) in seen else seen).add(id(t))
+    return twice
+
+
+def _keep(cache: Optional[dict], fid: int) -> bool:
+    """Whether a value derived from the factor with id ``fid`` goes into ``cache``."""
+    if cache is None:
+        return False
+    shared = cache.get(SHARED)
+    return shared is None or fid in shared
+
 
 def _sq(x: torch.Tensor, dims) -> torch.Tensor:
     """Σ x² over ``dims`` in float64 (float32 inputs square exactly in float64)."""
@@ -86,6 +111,13 @@ class Contribution:
         """acc[rows] += Σ_i c_i·g_i (``c``: (B,) float64, already including any loss scale);
         ``cache`` lets uses that share factors share their scaled copies within one call."""
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Drops the tensors held (once the clipped sum is formed): they are freed as soon as no
+        other use holds them, instead of at the end of the step."""
+        for k in ("a", "g", "colsum", "idx", "per"):
+            if hasattr(self, k):
+                setattr(self, k, None)
 
 
 def _btd(t: torch.Tensor) -> torch.Tensor:
@@ -154,7 +186,7 @@ class Factored(Contribution):
         fc = cache.get(key) if cache is not None else None
         if fc is None:
             fc = f.to(wd) * c.to(wd)[:, None, None]
-            if cache is not None:
+            if _keep(cache, id(f)):
                 cache[key] = fc
         gg, aa = (self.g.to(wd), fc) if scale_a else (fc, self.a.to(wd))
         lhs, rhs = gg.reshape(b * t, dout).t(), aa.reshape(b * t, din)
@@ -202,14 +234,28 @@ class Rows(Contribution):
             return _sq(g[:, 0], 1)
         # Rows of one record that look up the same token add up: group by (record, token).
         keys = torch.arange(b, device=self.idx.device).unsqueeze(1) * v + self.idx
-        uniq, inv = torch.unique(keys.reshape(-1), return_inverse=True)
-        sums = torch.zeros(uniq.shape[0], d, dtype=torch.float64, device=g.device)
-        sums.index_add_(0, inv, g.reshape(-1, d).double())
-        gn = torch.linalg.vector_norm(g.reshape(-1, d), dim=1, dtype=torch.float64)
-        bound = torch.zeros(uniq.shape[0], dtype=torch.float64, device=g.device).index_add_(0, inv, gn)
-        nk = torch.linalg.vector_norm(sums, dim=1) + 2.0 * (t + 2) * _U64 * bound
-        rec = torch.div(uniq, v, rounding_mode="floor")
-        return torch.zeros(b, dtype=torch.float64, device=g.device).index_add_(0, rec, nk.square())
+        uniq, inv, counts = torch.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
+        rows = g.reshape(-1, d)
+        (gn2,) = row_sq(rows)  # float64 sums of squares, read in place (no float64 copy of g)
+        gn = gn2.sqrt()
+        rec_of_row = torch.arange(b, device=g.device).repeat_interleave(t)
+        # A (record, token) looked up once: its row is the sum, ‖row‖ plus the same bound
+        # term as a summed group's (one term, k = 1).
+        once = counts[inv] == 1
+        slack = 2.0 * (t + 2) * _U64
+        out = torch.zeros(b, dtype=torch.float64, device=g.device)
+        out.index_add_(0, rec_of_row[once], (gn[once] * (1.0 + slack)).square())
+        if bool(once.all()):
+            return out
+        # Tokens a record looks up several times: only those rows summed, in float64.
+        many = ~once
+        sub, sinv = torch.unique(inv[many], return_inverse=True)
+        sums = torch.zeros(sub.shape[0], d, dtype=torch.float64, device=g.device)
+        sums.index_add_(0, sinv, rows[many].double())
+        bound = torch.zeros(sub.shape[0], dtype=torch.float64, device=g.device).index_add_(0, sinv, gn[many])
+        nk = torch.linalg.vector_norm(sums, dim=1) + slack * bound
+        rec = torch.div(uniq[sub], v, rounding_mode="floor")
+        return out.index_add_(0, rec, nk.square())
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         d = self.g.shape[2]
@@ -270,7 +316,7 @@ def _gram(x: torch.Tensor, cache: Optional[dict], key: Any) -> torch.Tensor:
     if cache is not None and key in cache:
         return cache[key]
     out = torch.bmm(x, x.transpose(1, 2))
-    if cache is not None:
+    if _keep(cache, key[0]):
         cache[key] = out
     return out
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import Contribution, gather, param_sq_norms, row_sq
+from ._contrib import SHARED, Contribution, gather, param_sq_norms, row_sq, shared_factors
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
 __all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm"]
@@ -296,7 +296,9 @@ class PerRecordGradients:
         out: List[Optional[torch.Tensor]] = []
         self._used = []
         s2 = self._scale**2
-        cache: Dict[Any, torch.Tensor] = {}  # Gram matrices of factors shared between parameters
+        # Gram matrices of factors shared between parameters (only those: the others' are
+        # dropped as soon as their norm is taken)
+        cache: Dict[Any, Any] = {SHARED: shared_factors(cs)}
         for p in self.params:
             mine = by.get(id(p))
             if not mine:
@@ -331,7 +333,8 @@ class PerRecordGradients:
         is ever held (call :meth:`clear` after the last)."""
         into = [None] * len(factors) if into is None else into
         out: List[Optional[torch.Tensor]] = []
-        cache: Dict[Any, torch.Tensor] = {}
+        # scaled copies of factors that several uses share (only those: see _contrib.SHARED)
+        cache: Dict[Any, Any] = {SHARED: shared_factors([u for used in self._used if used for u in used])}
         try:
             for k, p in enumerate(self.params):
                 used = self._used[k] if k < len(self._used) else None
@@ -353,6 +356,13 @@ class PerRecordGradients:
                 if base is not None and not direct:
                     acc = base.add_(acc.to(device=base.device, dtype=base.dtype))
                 out.append(acc)
+                if clear:
+                    # this parameter's factors are done with (everything is cleared at the end of
+                    # this call): freed now unless another use holds them, so the sums of later
+                    # parameters do not run with every factor alive
+                    for u in used:
+                        u.release()
+                    self._used[k] = None
         finally:
             if clear:
                 self.clear()

@@ -151,6 +151,65 @@ class _AffineFn(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+class _GroupNormFn(torch.autograd.Function):
+    """GroupNorm with its affine map in one kernel (``native_group_norm``), saving only x and
+    the per-(record, group) mean and 1/std for the backward pass (no normalised copy x̂);
+    the backward pass returns ∂L/∂x only and hands each record's weight and bias gradients to
+    ``sink`` as torch's own backward forms them: Σ_hw g·x̂ = (Σ_hw g·x − μ·Σ_hw g)·rstd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], groups: int, eps: float, sink: Callable) -> torch.Tensor:
+        n, c = x.shape[:2]
+        hw = x[0, 0].numel()
+        w = None if weight is None else weight.detach()
+        y, mean, rstd = torch.native_group_norm(x, w, None if bias is None else bias.detach(), n, c, hw, groups, eps)
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.conf, ctx.sink = (n, c, hw, groups), sink
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None]:
+        x, w, mean, rstd = ctx.saved_tensors
+        n, c, hw, groups = ctx.conf
+        g = g.contiguous()
+        gv, xv = g.reshape(n, c, hw), x.reshape(n, c, hw)
+        db = gv.sum(2)
+        ds = (gv * xv).sum(2)
+        mu = mean.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
+        rs = rstd.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
+        ctx.sink((ds - db * mu) * rs, db)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.native_group_norm_backward(g, x, mean, rstd, w, n, c, hw, groups, [True, False, False])[0]
+        return gx, None, None, None, None, None
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """LayerNorm with its affine map in one kernel (``native_layer_norm``), saving only x and
+    each position's mean and 1/std (no normalised copy x̂); the backward pass returns ∂L/∂x
+    only and hands (x̂ formed again, ∂L/∂y) to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, sink: Callable) -> torch.Tensor:
+        w = None if weight is None else weight.detach()
+        b = None if bias is None else bias.detach()
+        y, mean, rstd = torch.native_layer_norm(x, list(shape), w, b, eps)
+        ctx.save_for_backward(x, w, b, mean, rstd)
+        ctx.shape, ctx.sink = list(shape), sink
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None]:
+        x, w, b, mean, rstd = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.native_layer_norm_backward(g, x, ctx.shape, mean, rstd, w, b, [True, False, False])[0]
+        ctx.sink(x, mean, rstd, g.detach())
+        return gx, None, None, None, None, None
+
+
 class _ParamTapFn(torch.autograd.Function):
     """``value`` (a function of a parameter, e.g. an expanded bias row) fed into the graph; its
     backward hands ∂L/∂value to ``sink`` and returns no gradient to the parameter."""
@@ -394,6 +453,9 @@ class ConvRule(LayerRule):
     before the tap, so the rule sees an unpadded convolution."""
 
     kind = "conv"
+    #: Conv2d layers with at most this many weights per output channel (C_in·k·k) form their
+    #: per-record gradients from the unfolded input (see _capture).
+    UNFOLD_FAN_IN = 64
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -429,6 +491,21 @@ class ConvRule(LayerRule):
         per = torch.empty((b,) + tuple(w.shape), dtype=g.dtype, device=g.device)
         # records in chunks, so that the folded convolution's operands stay moderate
         chunk = max(1, (1 << 26) // max(1, x[0].numel() + g[0].numel()))
+        fan_in = math.prod(w.shape[1:])
+        if nd == 2 and m.groups == 1 and fan_in <= self.UNFOLD_FAN_IN and g.dtype in (torch.float32, torch.float64):
+            # Few input channels (a first layer on images: 3·3·3 = 27): the grouped convolution
+            # with B groups of so few channels runs many times slower than the batch's weight
+            # gradient (oneDNN), while the unfolded input is small: each record's gradient is
+            # one batched product g_i (C_out × L) · unfold(x_i)ᵀ (L × C_in·k·k).
+            chunk = max(1, (1 << 26) // max(1, fan_in * g[0, 0].numel() + g[0].numel()))
+            for lo in range(0, b, chunk):
+                hi = min(b, lo + chunk)
+                cols = F.unfold(x[lo:hi], tuple(w.shape[2:]), dilation=tuple(m.dilation), padding=tuple(padding),
+                                stride=tuple(m.stride))
+                gi = g[lo:hi].reshape(hi - lo, g.shape[1], -1)
+                torch.bmm(gi, cols.transpose(1, 2), out=per[lo:hi].view(hi - lo, w.shape[0], fan_in))
+            self.add(Dense(wp, per))
+            return
         for lo in range(0, b, chunk):
             hi = min(b, lo + chunk)
             n = hi - lo
@@ -454,9 +531,27 @@ class NormRule(LayerRule):
             return self._norm(x.transpose(0, 1)).transpose(0, 1)
         return self._norm(x)
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the one-kernel forms apply: GroupNorm or LayerNorm on float32/float64 input
+        with a record axis, parameters of the input's dtype, outside autocast (where the
+        unfused form below casts as autocast does)."""
+        m = self.module
+        if not isinstance(m, (nn.GroupNorm, nn.LayerNorm)) or x.dtype not in (torch.float32, torch.float64):
+            return False
+        if amp_dtype(x.device.type) is not None:
+            return False
+        for t in (getattr(m, "weight", None), getattr(m, "bias", None)):
+            if t is not None and (t.dtype != x.dtype or t.device != x.device):
+                return False
+        if isinstance(m, nn.GroupNorm):
+            return x.dim() >= 2 and x.shape[0] > 0 and x.shape[1] == m.num_channels and x[0, 0].numel() > 0
+        return x.dim() > len(m.normalized_shape) and x.numel() > 0
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         wp, bp = self.p("weight"), self.p("bias")
+        if self._fused(x):
+            return self._norm_fused(x, wp, bp)
         if isinstance(m, nn.GroupNorm):
             xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
             view: Tuple[int, ...] = (-1,) + (1,) * (x.dim() - 2)
@@ -484,6 +579,38 @@ class NormRule(LayerRule):
 
         weight, bias = getattr(m, "weight", None), getattr(m, "bias", None)
         return _AffineFn.apply(xhat, _frozen(weight, wp), _frozen(bias, bp), view, sink)
+
+    def _norm_fused(self, x: torch.Tensor, wp: Any, bp: Any) -> torch.Tensor:
+        m = self.module
+        weight, bias = getattr(m, "weight", None), getattr(m, "bias", None)
+        # the trainable parameter itself (not detached) keeps the output in the graph even when
+        # x does not require grad; its gradient never forms (the backward returns none for it)
+        anchor_w = weight if wp is not None else (None if weight is None else weight.detach())
+        anchor_b = bias if bp is not None else (None if bias is None else bias.detach())
+        if isinstance(m, nn.GroupNorm):
+
+            def gsink(gw: torch.Tensor, gb: torch.Tensor) -> None:
+                if wp is not None:
+                    self.add(Dense(wp, gw))
+                if bp is not None:
+                    self.add(Dense(bp, gb))
+
+            return _GroupNormFn.apply(x, anchor_w, anchor_b, m.num_groups, m.eps, gsink)
+        shape = tuple(m.normalized_shape)
+        red = tuple(range(1, x.dim() - len(shape)))
+
+        def lsink(xs: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, g: torch.Tensor) -> None:
+            b = g.shape[0]
+            if wp is not None:
+                xh = (xs - mean).mul_(rstd).mul_(g)  # g·x̂, x̂ as torch's backward forms it
+                gw = xh.sum(red) if red else xh
+                del xh
+                self.add(Dense(wp, gw.reshape((b,) + tuple(wp.shape))))
+            if bp is not None:
+                gb = g.sum(red) if red else g
+                self.add(Dense(bp, gb.reshape((b,) + tuple(bp.shape))))
+
+        return _LayerNormFn.apply(x, shape, anchor_w, anchor_b, m.eps, lsink)
 
 
 class GenericRule(LayerRule):
