@@ -1,7 +1,7 @@
 """Mixed precision in dpcore.torch: bfloat16 autocast and bfloat16 parameters on every layer
 family, float16 with a GradScaler (on CPU here; the same code path runs on CUDA).
 
-The stated bound (README, "Mixed precision"): at noise 0 the release equals the brute-force
+The stated bound (docs/pytorch.md, "Mixed precision"): at noise 0 the release equals the brute-force
 per-record clipped sum (one backward pass per record, under the same autocast, clipped and
 summed in float64) within 4u of the largest reference entry, u = 2⁻⁸ for bfloat16. The gap is
 autograd's own rounding: its per-record weight gradient is a bfloat16 product (≤ u), and

@@ -193,7 +193,7 @@ def test_only_rank_zero_writes_the_ledger_and_a_restart_continues_it(tmp_path: P
 
 
 def test_torchrun_launch(tmp_path: Path) -> None:
-    """The README's launch line: torchrun --standalone --nproc-per-node 2."""
+    """The documented launch line (docs/distributed.md): torchrun --standalone --nproc-per-node 2."""
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(port), WORKER, "train", str(tmp_path), "steps=3", "seed=2"]
