@@ -34,18 +34,34 @@ def model(init_seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, K))
 
 
-def main() -> None:
+def adaptive_query(clip: float, z: float, batch: int, n: int):
+    """The adaptive-clipping query of the tests (its count is summed over the ranks)."""
+    from dpcore.queries import QuantileAdaptiveClipQuery
+
+    q = batch / n
+    return QuantileAdaptiveClipQuery(
+        initial_l2_norm_clip=clip, noise_multiplier=z, target_unclipped_quantile=0.5, learning_rate=0.2,
+        clipped_count_stddev=0.0, expected_num_records=q * n, denominator=q * n,
+    )
+
+
+def start(default_steps: int) -> tuple:
+    """The rank's start-up, shared with fsdp_worker.py: (scenario, out, opts, rank, steps, batch,
+    noise, clip, seed, ledger), after joining the gloo process group."""
     scenario, out = sys.argv[1], sys.argv[2]
     opts = dict(a.split("=", 1) for a in sys.argv[3:])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(opts.get("timeout", 60))))
-    rank = dist.get_rank()
-    steps = int(opts.get("steps", 5))
-    batch = int(opts.get("batch", 48))
-    z = float(opts.get("noise", 0.0))
-    clip = float(opts.get("clip", 0.5))
     seed = int(opts["seed"]) if "seed" in opts else None
-    ledger = opts.get("ledger", os.path.join(out, "ledger.jsonl"))
+    return (
+        scenario, out, opts, dist.get_rank(), int(opts.get("steps", default_steps)), int(opts.get("batch", 48)),
+        float(opts.get("noise", 0.0)), float(opts.get("clip", 0.5)), seed,
+        opts.get("ledger", os.path.join(out, "ledger.jsonl")),
+    )
+
+
+def main() -> None:
+    scenario, out, opts, rank, steps, batch, z, clip, seed, ledger = start(5)
     # Different initial weights on each rank: make_private must start every rank from rank 0's.
     net: torch.nn.Module = model(100 + rank)
     if opts.get("ddp") == "1":
@@ -59,13 +75,7 @@ def main() -> None:
     else:
         ds = dataset()
     if opts.get("adaptive") == "1":
-        from dpcore.queries import QuantileAdaptiveClipQuery
-
-        q = batch / N
-        kw["query"] = QuantileAdaptiveClipQuery(
-            initial_l2_norm_clip=clip, noise_multiplier=z, target_unclipped_quantile=0.5, learning_rate=0.2,
-            clipped_count_stddev=0.0, expected_num_records=q * N, denominator=q * N,
-        )
+        kw["query"] = adaptive_query(clip, z, batch, N)
     else:
         kw["noise_multiplier"], kw["max_grad_norm"] = z, clip
     opt = torch.optim.SGD(net.parameters(), lr=float(opts.get("lr", 0.5 if scenario != "noise" else 1.0)))

@@ -10,7 +10,6 @@ broadcast), so that a two-rank run starts where the one-process reference does.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 
@@ -20,6 +19,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpcore.torch import DistributedError, make_private
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_worker import adaptive_query, start  # noqa: E402
 
 N, D, K, V, T = 240, 12, 5, 50, 6
 
@@ -76,27 +78,11 @@ def shard(net: torch.nn.Module, mp: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    scenario, out = sys.argv[1], sys.argv[2]
-    opts = dict(a.split("=", 1) for a in sys.argv[3:])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(opts.get("timeout", 60))))
-    rank = dist.get_rank()
-    steps = int(opts.get("steps", 4))
-    batch = int(opts.get("batch", 48))
-    z = float(opts.get("noise", 0.0))
-    clip = float(opts.get("clip", 0.5))
-    seed = int(opts["seed"]) if "seed" in opts else None
-    ledger = opts.get("ledger", os.path.join(out, "ledger.jsonl"))
+    scenario, out, opts, rank, steps, batch, z, clip, seed, ledger = start(4)
     net = shard(model(0, int(opts.get("width", 7)), opts.get("model", "net")), opts.get("mp", "none"))
     kw: dict = {}
     if opts.get("adaptive") == "1":
-        from dpcore.queries import QuantileAdaptiveClipQuery
-
-        q = batch / N
-        kw["query"] = QuantileAdaptiveClipQuery(
-            initial_l2_norm_clip=clip, noise_multiplier=z, target_unclipped_quantile=0.5, learning_rate=0.2,
-            clipped_count_stddev=0.0, expected_num_records=q * N, denominator=q * N,
-        )
+        kw["query"] = adaptive_query(clip, z, batch, N)
     else:
         kw["noise_multiplier"], kw["max_grad_norm"] = z, clip
     if "physical" in opts:

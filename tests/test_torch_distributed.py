@@ -71,12 +71,7 @@ def single_process(indices: list, *, clip: float, batch: int, lr: float = 0.5, a
     q = batch / dist_worker.N
     kw: dict = {}
     if adaptive:
-        from dpcore.queries import QuantileAdaptiveClipQuery
-
-        kw["query"] = QuantileAdaptiveClipQuery(
-            initial_l2_norm_clip=clip, noise_multiplier=0.0, target_unclipped_quantile=0.5, learning_rate=0.2,
-            clipped_count_stddev=0.0, expected_num_records=q * dist_worker.N, denominator=q * dist_worker.N,
-        )
+        kw["query"] = dist_worker.adaptive_query(clip, 0.0, batch, dist_worker.N)
     else:
         kw.update(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=q * dist_worker.N)
     opt = DPOptimizer(torch.optim.SGD(net.parameters(), lr=lr), model=net, **kw)

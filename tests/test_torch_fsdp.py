@@ -42,12 +42,7 @@ def one_process(
     q = batch / fsdp_worker.N
     kw: dict = dict(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=q * fsdp_worker.N)
     if adaptive:
-        from dpcore.queries import QuantileAdaptiveClipQuery
-
-        kw = dict(query=QuantileAdaptiveClipQuery(
-            initial_l2_norm_clip=clip, noise_multiplier=0.0, target_unclipped_quantile=0.5, learning_rate=0.2,
-            clipped_count_stddev=0.0, expected_num_records=q * fsdp_worker.N, denominator=q * fsdp_worker.N,
-        ))
+        kw = dict(query=fsdp_worker.adaptive_query(clip, 0.0, batch, fsdp_worker.N))
     inner = (torch.optim.Adam if optim == "adam" else torch.optim.SGD)(net.parameters(), lr=lr)
     opt = DPOptimizer(inner, model=net, **kw)
     for idx in indices:
