@@ -83,6 +83,10 @@ def test_two_sharded_ranks_train_like_one_process(tmp_path: Path, optim: str, ph
     assert any(not torch.allclose(a, s) for a, s in zip(r0["params"], start))  # training moved them
     assert r0["releases"] == r1["releases"] == 4
     assert not r0["replica"] and r1["replica"]
+    if physical:
+        # between micro-batches each rank holds its rows of the sums only, never full-size ones
+        for r in (r0, r1):
+            assert 0 < r["held_numel"] <= r["local_numel"]
 
 
 def test_a_sharded_transformer_layer_trains_like_one_process(tmp_path: Path) -> None:
@@ -106,11 +110,16 @@ def test_adaptive_clipping_is_shared_by_the_shards(tmp_path: Path) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_each_coordinate_gets_the_noise_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("physical", [None, 5])
+def test_each_coordinate_gets_the_noise_once(tmp_path: Path, physical) -> None:
     """Zero loss: each released gradient is the noise alone, N(0, (σC/(qN))²) per coordinate:
     not √2 larger (two ranks noising a row), not missing on some rows (padding, uneven shards:
-    fc1 has 301 rows on 2 ranks), the same full tensor seen from both ranks."""
-    _ok(launch("noise", tmp_path, noise=1.3, clip=2.0, steps=4, width=301), tmp_path)
+    fc1 has 301 rows on 2 ranks), the same full tensor seen from both ranks; with micro-batches
+    of at most 5 records (sums reduce-scattered at every one), still noised once per release."""
+    opts = dict(noise=1.3, clip=2.0, steps=4, width=301)
+    if physical:
+        opts["physical"] = physical
+    _ok(launch("noise", tmp_path, **opts), tmp_path)
     r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
     g0 = torch.cat([g.reshape(-1) for step in r0["grads"] for g in step]).double()
     g1 = torch.cat([g.reshape(-1) for step in r1["grads"] for g in step]).double()
@@ -159,8 +168,13 @@ def test_bf16_mixed_precision_policy(tmp_path: Path) -> None:
     assert any(not torch.allclose(a, s) for a, s in zip(r0["params"], start))
 
 
-def test_a_bad_record_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
-    codes = launch("train", tmp_path, seed=2, steps=4, nan_at=1)
+@pytest.mark.parametrize("physical", [None, 5])
+def test_a_bad_record_on_one_rank_fails_every_rank(tmp_path: Path, physical) -> None:
+    """Also in a micro-batch that does not release (its sums are reduce-scattered at once)."""
+    opts = dict(seed=2, steps=4, nan_at=1)
+    if physical:
+        opts["physical"] = physical
+    codes = launch("train", tmp_path, **opts)
     r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
     assert r1["errors"] and "record 0" in r1["errors"]
     assert r0["errors"] and "DistributedError" in r0["errors"]

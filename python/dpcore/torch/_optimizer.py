@@ -9,6 +9,7 @@ and only then is the noised average handed to the wrapped optimizer's update rul
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -249,6 +250,9 @@ class DPOptimizer(torch.optim.Optimizer):
         # The sharded gradients this optimizer set last (any other one FSDP2 reduced was not
         # captured per record).
         self._given: Dict[int, int] = {}
+        # Under FSDP2 with micro-batches: the noise stddevs this rank's rows got with the logical
+        # batch's first micro-batch (None: not noised yet).
+        self._shard_noise: Optional[List[List[Optional[float]]]] = None
         if query is None:
             how: Dict[str, Any] = {"mechanism": mechanism, "granularity": granularity}
             if clipping == "per_layer":
@@ -519,6 +523,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _discard(self) -> None:
         self._acc = [None] * len(self._acc)
+        self._shard_noise = None
         self._records = 0
         self._pending = None
         for g in self._groups:
@@ -940,14 +945,18 @@ class DPOptimizer(torch.optim.Optimizer):
         if releasing and self._mf_groups:
             self._mf_sync()
             self._check_mf_step(drawn)
-        if self._comm is not None and releasing:
+        if self._comm is not None and (releasing or self._layouts is not None):
             try:
                 self._check_uncaptured()
                 b, factors = self._clip_factors()
             except BaseException as e:
                 # The other ranks are about to meet this one in the step's collectives: tell them,
                 # so that every rank fails now instead of waiting for the process group's timeout.
-                self._step_distributed(0, [], failed=e)
+                # (Under FSDP2 every micro-batch has collectives, not only the releasing one.)
+                if releasing:
+                    self._step_distributed(0, [], failed=e)
+                else:
+                    self._hold_sharded(0, [], failed=e)
                 raise
         else:
             try:
@@ -963,7 +972,10 @@ class DPOptimizer(torch.optim.Optimizer):
             return loss
         self._tell_scaler(False)
         if not releasing:
-            self._hold(b, factors)
+            if self._layouts is not None:
+                self._hold_sharded(b, factors)
+            else:
+                self._hold(b, factors)
             return loss
         if self._comm is not None:
             self._step_distributed(b, factors)
@@ -1087,34 +1099,85 @@ class DPOptimizer(torch.optim.Optimizer):
     def _reduce_scatter(
         self, step: int, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException], local: bool
     ) -> bool:
-        """The sharded (FSDP2) reduction (:mod:`dpcore.torch._distributed`), one parameter at a
-        time so that no rank ever holds full-size sums of every parameter at once: the
-        parameter's clipped sum over this rank's records in full shape (plus the logical batch's
-        earlier micro-batches), this rank's own rows' noise added, one reduce-scatter; the
-        accumulators are then this rank's rows of the noised average. False when this rank
-        failed (after telling the others)."""
-        comm, layouts = self._comm, self._layouts
-        assert comm is not None and layouts is not None
+        """The sharded (FSDP2) release (:mod:`dpcore.torch._distributed`): after the failure
+        count, this micro-batch's sums reduce-scattered (:meth:`_scatter_sums`) onto the rows
+        held from the logical batch's earlier micro-batches, with this rank's own rows' noise
+        (added with the first micro-batch, or now). The accumulators are then this rank's rows
+        of the noised average. False when this rank failed (after telling the others)."""
+        comm = self._comm
+        assert comm is not None
         if local:
             failures = comm.count(failed is not None, self._params[0].device, f"step {step}: counting failed ranks")
             if failed is not None:
                 self._discard()
                 return False
             self._raise_failures(step, failures)
+        sds = self._noise_stddevs()
+        if self._shard_noise is None:
+            self._scatter_sums(step, b, factors, sds)
+        else:
+            # Noised with the first micro-batch at the plan's stddevs then; a release plan asking
+            # for more (never expected: the plan comes from the same global state) gets the
+            # difference, independent noise, so that each coordinate's variance is the plan's.
+            extra = [
+                [None if r is None or u is None or r <= u else math.sqrt(r * r - u * u) for r, u in zip(rs, us)]
+                for rs, us in zip(sds, self._shard_noise)
+            ]
+            self._scatter_sums(step, b, factors, extra, top_up=True)
+        self._shard_noise = None
+        return True
+
+    def _hold_sharded(self, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException] = None) -> None:
+        """A micro-batch that does not release, under FSDP2: its sums reduce-scattered at once
+        onto the rows held (the first one with this rank's own rows' noise), so that between
+        micro-batches a rank holds only its shard of the sums, never full-size ones. A rank that
+        failed tells the others, and every rank drops the logical batch."""
+        comm = self._comm
+        assert comm is not None
+        step = self._releases
+        try:
+            failures = comm.count(failed is not None, self._params[0].device, f"step {step}: counting failed ranks")
+            if failed is not None:
+                self._discard()
+                return
+            self._raise_failures(step, failures)
+            if self._shard_noise is None:
+                sds = self._noise_stddevs()
+                self._scatter_sums(step, b, factors, sds)
+                self._shard_noise = sds
+            else:
+                self._scatter_sums(step, b, factors, None)
+        except BaseException:
+            self._discard()
+            raise
+        self._records += b
+        for p in self._params:
+            p.grad = None
+        self.last_step_released = False
+
+    def _scatter_sums(
+        self, step: int, b: int, factors: List[Optional[torch.Tensor]], sds: Optional[List[List[Optional[float]]]],
+        top_up: bool = False,
+    ) -> None:
+        """One parameter at a time (no rank ever holds full-size sums of every parameter): the
+        parameter's clipped sum over this rank's records in full shape, plus noise of stddevs
+        ``sds`` on this rank's own rows only (None: no noise), one reduce-scatter, added onto the
+        rows held in the accumulators."""
+        comm, layouts = self._comm, self._layouts
+        assert comm is not None and layouts is not None
         noise: Dict[int, torch.Tensor] = {}
-        for g, row in zip(self._groups, self._noise(step)):
-            for k, z in zip(g.members, row):
-                if z is not None:
-                    noise[k] = z
+        if sds is not None:
+            drawn = self._draw_noise(step + (1 << 40), sds) if top_up else self._noise(step)
+            for g, row in zip(self._groups, drawn):
+                for k, z in zip(g.members, row):
+                    if z is not None:
+                        noise[k] = z
         m = len(self._params)
         held, self._acc = self._acc, [None] * m
         outs: List[Optional[torch.Tensor]] = []
         for k, (lay, p) in enumerate(zip(layouts, self._params)):
             pad = lay.padded(work_dtype(p.dtype), p.device)
             full = pad[: lay.shape[0]]
-            if held[k] is not None:
-                full.add_(held[k].to(device=full.device, dtype=full.dtype))
-                held[k] = None
             z = noise.pop(k, None)
             if z is not None and lay.rows:  # this rank's rows only, from its own generator
                 full.narrow(0, lay.start, lay.rows).add_(z.to(device=full.device, dtype=full.dtype))
@@ -1125,10 +1188,13 @@ class DPOptimizer(torch.optim.Optimizer):
             out = torch.empty((lay.block,) + lay.shape[1:], dtype=pad.dtype, device=pad.device)
             comm.reduce_scatter_([out], [pad], f"step {step}: reduce-scatter of the clipped sums")
             del pad, full
-            outs.append(out[: lay.rows])
+            mine = out[: lay.rows]
+            if held[k] is not None:
+                mine.add_(held[k])
+                held[k] = None
+            outs.append(mine)
         self.engine.clear()
         self._acc = outs
-        return True
 
     def _check_uncaptured(self) -> None:
         """Under FSDP2 a gradient that reached a shard by FSDP2's own reduce-scatter was not
