@@ -242,6 +242,42 @@ def test_conv_and_norm_layers():
     assert opt.kinds >= {"conv", "norm", "linear"}
 
 
+class ConvPaths(nn.Module):
+    """Both per-record conv paths against the brute force: small fan-in (unfold + bmm) with
+    stride, dilation, asymmetric padding and a reflect padding mode; fan-in above the unfold
+    limit (the grouped convolution); the fused norms on higher-rank inputs (GroupNorm on a
+    Conv1d map, LayerNorm over two trailing dimensions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(1, 0))
+        self.reflect = nn.Conv2d(5, 4, 3, padding=1, padding_mode="reflect")  # fan-in 45: unfold
+        self.wide = nn.Conv2d(4, 6, 3, padding=1)  # fan-in 36: unfold; below, 8·3·3 = 72: grouped
+        self.wider = nn.Conv2d(6, 8, 3, padding=1)
+        self.big = nn.Conv2d(8, 3, 3)  # fan-in 72 > the unfold limit
+        self.gn = nn.GroupNorm(3, 3)
+        self.ln = nn.LayerNorm((3, 2))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.small(x))
+        h = torch.relu(self.reflect(h))
+        h = torch.relu(self.wider(torch.relu(self.wide(h))))
+        h = self.big(h)  # (B, 3, H, W)
+        h = self.gn(h.flatten(2))  # GroupNorm on (B, C, L)
+        h = self.ln(h[:, :, :2])  # LayerNorm over (3, 2) of (B, 3, 2)
+        return self.head(h.flatten(1))
+
+
+def test_conv_paths_and_fused_norms():
+    torch.manual_seed(9)
+    model = ConvPaths()
+    assert max(math.prod(m.weight.shape[1:]) for m in model.modules() if isinstance(m, nn.Conv2d)) > 64
+    x, y = torch.randn(6, 3, 9, 10), torch.randint(0, 3, (6,))
+    opt = check(model, lambda m, i: ce(m(x[i]), y[i]), 6)
+    assert opt.kinds >= {"conv", "norm", "linear"}
+
+
 # ----------------------------------------------------------------------------- shared parameters
 
 
