@@ -77,20 +77,8 @@ import torch
 from torch import nn
 
 
-class Transformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(8000, 256)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(256, nhead=4, dim_feedforward=1024, batch_first=True, dropout=0.0)
-            for _ in range(2))
-        self.fc = nn.Linear(256, 2)
-
-    def forward(self, x: Any) -> Any:
-        h = self.emb(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.fc(h.mean(dim=1))
+# The transformer of bench_torch.py (module level: Opacus pickles the model classes).
+from bench_torch import Transformer  # noqa: E402
 
 
 class LM(nn.Module):

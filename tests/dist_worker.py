@@ -118,11 +118,17 @@ def main() -> None:
     result["params"] = [p.detach().clone() for p in net.parameters()]
     result["before"] = before
     result["updates"] = [b - a for a, b in zip(result["params"], before)]
+    result["ledger_path"] = opt.ledger.path
+    finish(result, opt, out, rank, z * clip / (batch / N * N))
+
+
+def finish(result: dict, opt, out: str, rank: int, noise_std: float) -> None:
+    """What every worker saves of its optimizer's ledger, then the save and, after a run without
+    error, the barrier and the end of the process group (shared with fsdp_worker.py)."""
     result["epsilon"] = opt.get_epsilon(1e-5)
     result["replica"] = opt.ledger.is_replica
-    result["ledger_path"] = opt.ledger.path
     result["releases"] = opt.ledger.num_releases
-    result["noise_std"] = z * clip / (batch / N * N)
+    result["noise_std"] = noise_std
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     if result["errors"] is None:
         dist.barrier()

@@ -14,14 +14,13 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpcore.torch import DistributedError, make_private
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_worker import adaptive_query, start  # noqa: E402
+from dist_worker import adaptive_query, finish, start  # noqa: E402
 
 N, D, K, V, T = 240, 12, 5, 50, 6
 
@@ -136,14 +135,7 @@ def main() -> None:
         if isinstance(v, torch.Tensor) and v.dim() > 0
     )
     result["grads"] = grads
-    result["epsilon"] = opt.get_epsilon(1e-5)
-    result["releases"] = opt.ledger.num_releases
-    result["replica"] = opt.ledger.is_replica
-    result["noise_std"] = z * clip / batch
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    if result["errors"] is None:
-        dist.barrier()
-        dist.destroy_process_group()
+    finish(result, opt, out, rank, z * clip / batch)
 
 
 if __name__ == "__main__":
