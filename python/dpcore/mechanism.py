@@ -51,6 +51,19 @@ def _dim(d: Any) -> int:
     return operator.index(d)
 
 
+def _noise_shape(shape: Any) -> Tuple[int, ...]:
+    """A noise array's shape from an int or a sequence of ints (no bools, none negative)."""
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (int(shape),)
+    try:
+        dims = tuple(_dim(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must not have negative dimensions, got {dims}")
+    return dims
+
+
 _NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -324,14 +337,7 @@ def gaussian_noise(
     dt = np.dtype(dtype)
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype must be float32 or float64, got {dt}")
-    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
-        shape = (int(shape),)
-    try:
-        shape = tuple(_dim(d) for d in shape)  # type: ignore[union-attr]
-    except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    if any(d < 0 for d in shape):
-        raise ValueError(f"shape must not have negative dimensions, got {shape}")
+    shape = _noise_shape(shape)
     sd = _real("stddev", stddev)
     n = math.prod(shape)  # exact: numpy's int64 product wraps around silently
     if n * dt.itemsize > sys.maxsize:

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 import os
 import struct
 import warnings
@@ -70,6 +69,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._validate import real as _real
+from ..mechanism import _noise_shape, _seed
 
 __all__ = ["device_gaussian_noise", "chacha20_blocks", "chacha20_stream_words", "NOISE_CHUNK"]
 
@@ -79,7 +79,6 @@ _BLOCKS_PER_CHUNK = NOISE_CHUNK // 16
 _NOISE_DOMAIN = 1
 _PART_LIMIT = 1 << 24
 _CHUNK_LIMIT = 1 << 32
-_SEED_LIMIT = 1 << 64
 _TWO32 = 4294967296.0
 # "expand 32-byte k", as signed int32.
 _SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)
@@ -347,21 +346,6 @@ def _int_in(name: str, v: Any, limit: int) -> int:
     return v
 
 
-def _shape(shape: Any) -> Tuple[int, ...]:
-    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
-        shape = (int(shape),)
-    try:
-        dims = tuple(shape)
-        if any(isinstance(d, bool) for d in dims):
-            raise TypeError
-        dims = tuple(operator.index(d) for d in dims)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must not have negative dimensions, got {dims}")
-    return dims
-
-
 def _key(seed: Optional[int]) -> bytes:
     if seed is None:
         return os.urandom(32)  # the private path: a fresh OS key for every call
@@ -391,15 +375,14 @@ def device_gaussian_noise(
     float64, rounded once). ``stddev`` 0 gives zeros without drawing. ``fused``: compile the
     block function (default: on accelerators; see the module docs); the words are the same.
     """
-    dims = _shape(shape)
+    dims = _noise_shape(shape)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     sd = _real("stddev", stddev)
     if not (math.isfinite(sd) and sd >= 0.0):
         raise ValueError(f"stddev must be finite and >= 0, got {sd}")
     part = _int_in("part", part, _PART_LIMIT)
-    if seed is not None:
-        seed = _int_in("seed", seed, _SEED_LIMIT)
+    seed = _seed(seed)
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     dev = torch.device(device)
