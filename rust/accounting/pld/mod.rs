@@ -542,25 +542,28 @@ fn lower_epsilon(c: &Composed, delta: f64) -> f64 {
     (e - 16.0 * f64::EPSILON * (1.0 + e.abs())).max(0.0)
 }
 
-/// Both directions at grid Δ: (upper ε, lower ε, per-step atoms built); either bound only if
-/// asked for (else 0).
-fn epsilon_pass(
+/// Both directions at grid Δ: (upper, lower, per-step atoms built), the upper value the worse
+/// of the directions' `upper(composed)`, the lower the worse of their `lower(composed)`; either
+/// bound only if asked for (else 0).
+#[allow(clippy::too_many_arguments)]
+fn bounds_pass(
     kinds: &[Kind],
     dirs: &[Direction],
     d: f64,
     tail: f64,
-    delta: f64,
     max_bins: usize,
     want: (bool, bool),
+    upper: impl Fn(&Composed) -> f64,
+    lower: impl Fn(&Composed) -> f64,
 ) -> DpResult<(f64, f64, usize)> {
     let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
     for &dir in dirs {
         let p = composed(kinds, dir, d, tail, want, max_bins)?;
         if let Some(c) = &p.upper {
-            up = up.max(curve::epsilon(&c.pld, delta, 0.0));
+            up = up.max(upper(c));
         }
         if let Some(c) = &p.lower {
-            lo = lo.max(lower_epsilon(c, delta));
+            lo = lo.max(lower(c));
         }
         bins += p.step_bins;
     }
@@ -631,7 +634,11 @@ pub fn epsilon_bounds_mixed(
             let tail = 1e-4 * delta;
             let dirs = directions(&k);
             let d0 = choose_interval(&k, &dirs, opts, tail)?;
-            let pass = |d: f64, want| epsilon_pass(&k, &dirs, d, tail, delta, opts.max_bins, want);
+            let pass = |d: f64, want| {
+                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, |c| curve::epsilon(&c.pld, delta, 0.0), |c| {
+                    lower_epsilon(c, delta)
+                })
+            };
             let ((mut upper, mut lo, mut bins), mut d) = coarsened(opts, d0, |d| pass(d, (true, lower)))?;
             // A grid step that is large next to ε itself blurs it: refine once, keep the smaller
             // of the two certified values (and the larger lower bound).
@@ -700,20 +707,10 @@ pub fn delta_bounds_mixed(
         Plan::Mixed(k) => {
             let dirs = directions(&k);
             // Both directions at grid Δ with this tail budget: (upper δ, lower δ, step atoms).
-            let pass = |tail: f64, d: f64, want: (bool, bool)| -> DpResult<(f64, f64, usize)> {
-                let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
-                for &dir in &dirs {
-                    let p = composed(&k, dir, d, tail, want, opts.max_bins)?;
-                    if let Some(c) = &p.upper {
-                        up = up.max(curve::delta(&c.pld, epsilon, 0.0));
-                    }
-                    if let Some(c) = &p.lower {
-                        let v = curve::delta(&c.pld, epsilon, -c.noise_floor) - c.wrapped_in;
-                        lo = lo.max(v.max(0.0));
-                    }
-                    bins += p.step_bins;
-                }
-                Ok((up, lo, bins))
+            let pass = |tail: f64, d: f64, want: (bool, bool)| {
+                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, |c| curve::delta(&c.pld, epsilon, 0.0), |c| {
+                    (curve::delta(&c.pld, epsilon, -c.noise_floor) - c.wrapped_in).max(0.0)
+                })
             };
             let run = |tail: f64, o: &Options, want: (bool, bool)| -> DpResult<((f64, f64, usize), f64)> {
                 let d0 = choose_interval(&k, &dirs, o, tail)?;
