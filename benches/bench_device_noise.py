@@ -75,9 +75,10 @@ def contenders(n: int, dev: torch.device):
     return {"device": device, "core+copy": core_copy, "randn": randn}
 
 
-def bench(dev: torch.device, sizes, blocks: int) -> None:
+def bench(dev: torch.device, sizes, blocks: int) -> list:
     print(f"\n== {dev.type}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else f" ({torch.get_num_threads()} torch threads)"))
     print(f"{'n':>10} {'device ms':>11} {'core+copy ms':>13} {'randn ms':>10} {'dev/core':>9} {'dev/randn':>10}")
+    rows = []
     for n in sizes:
         fns = contenders(n, dev)
         for fn in fns.values():
@@ -90,6 +91,9 @@ def bench(dev: torch.device, sizes, blocks: int) -> None:
             f"{n:>10} {med['device'] * 1e3:>11.2f} {med['core+copy'] * 1e3:>13.2f} {med['randn'] * 1e3:>10.2f}"
             f" {med['device'] / med['core+copy']:>9.1f} {med['device'] / med['randn']:>10.1f}"
         )
+        rows.append({"device": dev.type, "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                     "n": n, **{f"{k}_ms": v * 1e3 for k, v in med.items()}})
+    return rows
 
 
 def peak(dev: torch.device, n: int) -> None:
@@ -120,18 +124,26 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--peak-n", type=int, default=10_000_000)
     ap.add_argument("--peak-child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=None,
+                    help="default: cpu, and cuda when available")
+    ap.add_argument("--json", help="also write the timings to this file")
     a = ap.parse_args()
     if a.peak_child is not None:
         peak_child(a.peak_child)
         return
-    devs = [torch.device("cpu")]
-    if torch.cuda.is_available():
-        devs.append(torch.device("cuda"))
+    names = a.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    devs = [torch.device(d) for d in names if d == "cpu" or torch.cuda.is_available()]
+    rows = []
     for dev in devs:
-        bench(dev, a.sizes, a.blocks)
+        rows += bench(dev, a.sizes, a.blocks)
         peak(dev, a.peak_n)
-    if len(devs) == 1:
+    if "cuda" not in [d.type for d in devs]:
         print("\n== cuda: no GPU here")
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,13 @@ DESCRIPTION = {
 TARGET_VS_TRAINER = 1.3  # DPTrainer's step time at most this multiple of the plain Trainer's
 RESULT = "BENCH-RESULT "
 VOCAB, EMBD, LAYERS, HEADS, SEQ, BATCH = 512, 128, 2, 4, 64, 16
+# --size small: GPT-2 small's shape (124M parameters with its 50257-token vocabulary), for a GPU
+SIZES = {"tiny": (512, 128, 2, 4, 64, 16), "small": (50257, 768, 12, 12, 128, 16)}
+
+
+def _set_size(size: str) -> None:
+    global VOCAB, EMBD, LAYERS, HEADS, SEQ, BATCH
+    VOCAB, EMBD, LAYERS, HEADS, SEQ, BATCH = SIZES[size]
 RECORDS_PER_BATCH = 50  # 50·B records: q = 1/50 for the DP trainer, 50 batches per epoch for the Trainer
 SEED = 0
 
@@ -144,7 +151,7 @@ def run_one(mode: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
         targs = transformers.TrainingArguments(
             output_dir=tmp, use_cpu=args.device == "cpu", report_to=[], disable_tqdm=True, save_strategy="no",
             logging_strategy="no", per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
-            max_steps=args.warmup + args.steps, dataloader_num_workers=0, seed=SEED)
+            max_steps=args.warmup + args.steps, dataloader_num_workers=0, seed=SEED, bf16=args.bf16)
         kw = dict(model=model, args=targs, train_dataset=data, data_collator=transformers.default_data_collator,
                   callbacks=[Clock()])
         if args.device == "cuda":
@@ -189,7 +196,7 @@ def run_one(mode: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 def _child(mode: str, config: str, args: argparse.Namespace) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", mode, config, "--device", args.device,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--size", args.size] + (["--bf16"] if args.bf16 else [])
     timeout = 300 + 10 * (args.steps + args.warmup)
     return child_result(cmd, timeout, RESULT, {"mode": mode, "config": config})
 
@@ -239,8 +246,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a few steps each: a smoke test")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                    help="tiny (the default) or small: GPT-2 small's shape (768 wide, 12 layers, length 128)")
+    ap.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bfloat16 autocast, both trainers")
     ap.add_argument("--json", help="also write every configuration's result to this file")
     args = ap.parse_args()
+    _set_size(args.size)
     quick = dict(steps=5, warmup=2, rounds=1)
     full = dict(steps=30, warmup=5, rounds=3)
     for k, v in (quick if args.quick else full).items():
@@ -257,7 +268,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}, {args.threads} "
           f"threads; GPT-2 vocab {VOCAB}, n_embd {EMBD}, {LAYERS} layers, {HEADS} heads, length {SEQ}, batch {BATCH}; "
-          f"per configuration and round: {args.warmup} warm-up + {args.steps} timed optimizer steps; {args.rounds} "
+          f"{'bf16 autocast; ' if args.bf16 else ''}per configuration and round: {args.warmup} warm-up + {args.steps} timed optimizer steps; {args.rounds} "
           f"round(s), order reversed every other round; own process each; load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
     t0 = time.perf_counter()

@@ -428,13 +428,13 @@ def test_dp_optimizer_draws_noise_on_the_device_when_asked(monkeypatch: pytest.M
     from dpcore.torch import _optimizer as optmod
 
     calls: list = []
-    real = optmod.device_gaussian_noise
+    real = optmod.device_gaussian_noise_many
 
     def spy(*a, **kw):
         calls.append(kw["device"])
         return real(*a, **kw)
 
-    monkeypatch.setattr(optmod, "device_gaussian_noise", spy)
+    monkeypatch.setattr(optmod, "device_gaussian_noise_many", spy)
     torch.manual_seed(0)
     net = torch.nn.Linear(300, 200)
     opt = DPOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), model=net, noise_multiplier=1.5, max_grad_norm=2.0,
@@ -449,9 +449,53 @@ def test_dp_optimizer_draws_noise_on_the_device_when_asked(monkeypatch: pytest.M
     want = 1.5 * 2.0 / 8.0
     n = upd.numel()
     assert abs(upd.std().item() / want - 1) < 5 / (2 * n) ** 0.5
-    # (the next release's noise is drawn ahead, in the background: 2 calls per release)
+    # (one call for all parameters; the next release's noise is drawn ahead, in the background:
+    # 2 calls per release)
     assert (len(calls) >= 2) == (mode == "device")  # "auto" on CPU parameters: the core
     assert all(d == torch.device("cpu") for d in calls)
     with pytest.raises(ValueError, match="noise_device"):
         opt.noise_device = "gpu"
     assert opt.noise_device == mode
+
+
+# ---------------------------------------------------------------------------------------------
+# Many tensors in one call: each is the one-tensor call with its own part.
+
+
+@pytest.mark.parametrize("seed", [0, 12345])
+def test_many_equals_one_call_per_part(seed: int) -> None:
+    from dpcore.torch._device_noise import device_gaussian_noise_many
+
+    specs = [((3, 5), 1.5, torch.float32), ((2 * NOISE_CHUNK + 7,), 0.5, torch.float64), (100, 0.0, torch.float32),
+             ((300, 200), 2.0, torch.float32), ((0,), 1.0, torch.float32), ((NOISE_CHUNK,), 3.0, torch.float64)]
+    many = device_gaussian_noise_many(specs, device=CPU, seed=seed)
+    assert len(many) == len(specs)
+    for i, (shape, sd, dt) in enumerate(specs):
+        one = device_gaussian_noise(shape, sd, device=CPU, dtype=dt, part=i, seed=seed)
+        assert many[i].shape == one.shape and many[i].dtype == dt
+        assert torch.equal(many[i], one), i
+    # small batches (several block-function calls) give the same bits
+    import dpcore.torch._device_noise as mod
+
+    orig = mod._batch_words
+    try:
+        mod._batch_words = lambda d: NOISE_CHUNK
+        again = device_gaussian_noise_many(specs, device=CPU, seed=seed)
+    finally:
+        mod._batch_words = orig
+    assert all(torch.equal(a, b) for a, b in zip(many, again))
+
+
+def test_many_os_keyed_tensors_differ_and_bad_specs_raise() -> None:
+    from dpcore.torch._device_noise import device_gaussian_noise_many
+
+    a, b = device_gaussian_noise_many([(1000, 1.0, torch.float32)] * 2, device=CPU)
+    assert not torch.equal(a, b)  # different parts
+    c = device_gaussian_noise_many([(1000, 1.0, torch.float32)], device=CPU)[0]
+    assert not torch.equal(a, c)  # a fresh OS key per call
+    with pytest.raises(TypeError, match="specs"):
+        device_gaussian_noise_many([(10, 1.0)], device=CPU)
+    with pytest.raises(ValueError, match="stddev"):
+        device_gaussian_noise_many([(10, -1.0, torch.float32)], device=CPU)
+    with pytest.raises(TypeError, match="dtype"):
+        device_gaussian_noise_many([(10, 1.0, torch.float16)], device=CPU)

@@ -36,7 +36,7 @@ from ..queries.matrix_factorization import MatrixFactorizationQuery
 from ..queries.microbatch import scale_sensitivity
 from ._distributed import DistributedError, ShardLayout, current_communicator, flat_views, is_sharded, resolve_ledger, unwrap_ddp
 from ._amp import work_dtype
-from ._device_noise import device_gaussian_noise
+from ._device_noise import device_gaussian_noise_many
 from ._engine import PerRecordGradients, clip_factors, clip_margin
 from ._rules import GenericRule
 from .._validate import positive as _positive
@@ -346,7 +346,7 @@ class DPOptimizer(torch.optim.Optimizer):
     @property
     def noise_device(self) -> str:
         """Where the Gaussian noise is drawn: ``"auto"`` (default: on the parameter's device when
-        that is an accelerator, by :func:`dpcore.torch._device_noise.device_gaussian_noise`; by
+        that is an accelerator, by :func:`dpcore.torch._device_noise.device_gaussian_noise_many`; by
         the Rust core on CPU), ``"device"`` (always torch's ChaCha20, also on CPU) or ``"host"``
         (always the core, copied to the device). Both are ChaCha20 keyed from the OS."""
         return self._noise_device
@@ -564,29 +564,39 @@ class DPOptimizer(torch.optim.Optimizer):
     def _draw_noise(self, step: int, stddevs: List[List[float]], parallel: bool = True) -> List[List[torch.Tensor]]:
         """ChaCha20 N(0, sd²) for release ``step``, one array per group member, from the core
         (keyed from the OS, or derived from the test seed), computed in f64 and rounded once.
-        ``parallel=False`` keeps the work on the calling thread (the values are the same)."""
-        out = []
+        ``parallel=False`` keeps the work on the calling thread (the values are the same).
+
+        Members whose parameters live on an accelerator get their noise there, all of them in
+        one :func:`device_gaussian_noise_many` call per device (one key, a part per member): a
+        call per parameter costs a dozen kernel launches each, most of a small model's step."""
+        out: List[List[Any]] = []
+        on_device: Dict[torch.device, List[Tuple[int, int, Tuple[int, ...], float, torch.dtype]]] = {}
         for gi, (g, sds) in enumerate(zip(self._groups, stddevs)):
-            row = []
+            row: List[Any] = []
             for j, (k, sd) in enumerate(zip(g.members, sds)):
                 if sd is None:
                     row.append(None)
                     continue
                 p = self._params[k]
-                # Sharded: each rank draws its own rows' noise (a test seed gives each rank its own).
-                path = (step, gi, j) if self._layouts is None else (step, gi, j, self._comm.rank)  # type: ignore[union-attr]
-                seed = derive_seed(self._seed, *path)
                 if self._on_device(p):
                     # Drawn where the parameter lives: no host generation, no copy per step.
-                    row.append(device_gaussian_noise(
-                        self._noise_shape(k), sd, device=p.device, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
-                        seed=seed,
-                    ))
+                    dt = torch.float64 if p.dtype == torch.float64 else torch.float32
+                    on_device.setdefault(p.device, []).append((gi, j, self._noise_shape(k), sd, dt))
+                    row.append(None)
                     continue
+                # Sharded: each rank draws its own rows' noise (a test seed gives each rank its own).
+                path = (step, gi, j) if self._layouts is None else (step, gi, j, self._comm.rank)  # type: ignore[union-attr]
                 ndt = np.float64 if p.dtype == torch.float64 else np.float32
-                z = gaussian_noise(self._noise_shape(k), sd, dtype=ndt, seed=seed, parallel=parallel)
+                z = gaussian_noise(self._noise_shape(k), sd, dtype=ndt, seed=derive_seed(self._seed, *path), parallel=parallel)
                 row.append(torch.from_numpy(z))
             out.append(row)
+        for d, (dev, members) in enumerate(on_device.items()):
+            # one key per device and release; the 1 << 30 keeps these paths apart from the host's
+            path = (step, 1 << 30, d) if self._layouts is None else (step, 1 << 30, d, self._comm.rank)  # type: ignore[union-attr]
+            zs = device_gaussian_noise_many([(shape, sd, dt) for _, _, shape, sd, dt in members], device=dev,
+                                            seed=derive_seed(self._seed, *path))
+            for (gi, j, _, _, _), z in zip(members, zs):
+                out[gi][j] = z
         return out
 
     def _noise(self, step: int) -> List[List[torch.Tensor]]:
