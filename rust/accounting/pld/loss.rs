@@ -17,6 +17,13 @@ use super::DiscretePld;
 use crate::error::{DpError, DpResult};
 use rayon::prelude::*;
 
+/// Add direction: above this loss y = e^ε is not formed (reached only at q = 1).
+const ADD_DIRECT: f64 = 700.0;
+
+/// Below 1 + r = NEAR_FLOOR the inverse of the loss switches to the form without cancellation
+/// ([`SubsampledGaussianLoss::x_of_log_mix`]); above it ln_1p(r) loses at most u/1e-3.
+const NEAR_FLOOR: f64 = 1e-3;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {
     /// The record is in P's data set and not in Q's.
@@ -86,10 +93,21 @@ impl SubsampledGaussianLoss {
             u + (-(1.0 - self.q) * (-u).exp()).ln_1p() - self.q.ln()
         } else {
             let r = u.exp_m1() / self.q;
-            if r <= -1.0 {
-                return f64::NEG_INFINITY;
+            if r < NEAR_FLOOR - 1.0 {
+                // u within about 1e-3·q/(1 − q) of its floor log(1 − q): 1 + r = (e^u − (1 − q))/q
+                // has cancelled. With v = u − log(1 − q) (exact, the two are close),
+                // e^u − (1 − q) = (1 − q)·expm1(v). Small σ puts all of P's mass here in the add
+                // direction (loss ≈ −log(1 − q)); with q = 1 − 1e-12, 1 + r rounded to 0 and a
+                // whole grid cell's mass was lost.
+                let lf = (-self.q).ln_1p();
+                let v = u - lf;
+                if v.is_nan() || v <= 0.0 {
+                    return f64::NEG_INFINITY;
+                }
+                lf + v.exp_m1().ln() - self.q.ln()
+            } else {
+                r.ln_1p()
             }
-            r.ln_1p()
         };
         s2 * l + 0.5
     }
@@ -168,6 +186,16 @@ impl SubsampledGaussianLoss {
     /// Per grid interval I_i = (ε_i, ε_{i+1}] the masses that both discretisations are built
     /// from, computed from the two Gaussian components directly (never as differences of δ,
     /// which would lose the small masses to cancellation).
+    ///
+    /// Q's masses are kept multiplied by y_i = e^{ε_i} (R_i = y_i·Q(I_i) ≤ P(I_i), since the loss
+    /// is above ε_i on I_i): above ε ≈ 709.78 y_i overflows while Q(I_i) ≤ e^{−ε_i}·P(I_i)
+    /// underflows, and their product, formed directly, was ∞ or NaN (a Gaussian step with
+    /// σ ≤ 1/37 had no PLD). In the remove direction Q is N(0, σ²) and R_i is e^{ε_i}·Φ̄
+    /// between two points, formed by [`Tail::exp_times_between`] (in log space where needed,
+    /// bit for bit e^{ε_i}·Q(I_i) where both are in range). In the add direction the loss is at
+    /// most −log(1 − q) < 37 for q < 1 (the accountant takes q = 1 in the remove direction) and
+    /// y_i is in range; an add-direction loss at q = 1 built directly is handled the same way
+    /// above ε = [`ADD_DIRECT`].
     fn grid_masses(&self, interval: f64, k0: i64, k1: i64) -> GridMasses {
         let n = (k1 - k0) as usize; // intervals; grid points 0..=n
         let sigma = self.sigma;
@@ -201,12 +229,18 @@ impl SubsampledGaussianLoss {
             }
         };
         // Masses of the two components beyond the top grid point (losses above ε_n).
+        let eps_n = (k0 + n as i64) as f64 * interval;
         let (t0, t1) = match self.direction {
             Direction::Remove => (pts[n].1.above(), pts[n].2.above()),
             Direction::Add => (pts[n].1.below(), pts[n].2.below()),
         };
         let (p_top, q_top) = pq(t0, t1);
-        // (P(I_i), N_i = P(I_i) − y_i·Q(I_i) ≥ 0, Q(I_i)).
+        let r_top = match self.direction {
+            Direction::Remove => pts[n].1.exp_times_above(eps_n),
+            Direction::Add if eps_n < ADD_DIRECT => eps_n.exp() * q_top,
+            Direction::Add => add_mix(q, pts[n].2.exp_times_below(eps_n), || pts[n].1.exp_times_below(eps_n)),
+        };
+        // (P(I_i), N_i = P(I_i) − y_i·Q(I_i) ≥ 0, R_i = y_i·Q(I_i)).
         let cells: Vec<(f64, f64, f64)> = (0..n)
             .into_par_iter()
             .with_min_len(2048)
@@ -214,30 +248,60 @@ impl SubsampledGaussianLoss {
                 let (a, b) = ends(i);
                 let d0 = Tail::between(&pts[a].1, &pts[b].1);
                 let d1 = Tail::between(&pts[a].2, &pts[b].2);
-                let yi = ((k0 + i as i64) as f64 * interval).exp();
-                let nn = match self.direction {
-                    Direction::Remove => (1.0 - q - yi) * d0 + q * d1,
-                    Direction::Add => (1.0 - yi * (1.0 - q)) * d0 - yi * q * d1,
-                };
+                let eps = (k0 + i as i64) as f64 * interval;
+                let yi = eps.exp();
                 let (pp, qq) = pq(d0, d1);
-                (pp, nn.max(0.0), qq)
+                let (nn, rr) = match self.direction {
+                    Direction::Remove => {
+                        let rr = Tail::exp_times_between(eps, &pts[a].1, &pts[b].1);
+                        // Where y_i and Q(I_i) are both in range rr is y_i·d0 and N_i is formed
+                        // as before ((1 − q − y_i) is exact near y_i = 1 − q); else from rr.
+                        let nn = if rr == yi * d0 {
+                            (1.0 - q - yi) * d0 + q * d1
+                        } else {
+                            ((1.0 - q) * d0 + q * d1) - rr
+                        };
+                        (nn, rr)
+                    }
+                    Direction::Add if eps < ADD_DIRECT => ((1.0 - yi * (1.0 - q)) * d0 - yi * q * d1, yi * qq),
+                    Direction::Add => {
+                        // Only an add-direction loss built directly at q = 1 gets here.
+                        let rr = add_mix(q, Tail::exp_times_between(eps, &pts[a].2, &pts[b].2), || {
+                            Tail::exp_times_between(eps, &pts[a].1, &pts[b].1)
+                        });
+                        (d0 - rr, rr)
+                    }
+                };
+                (pp, nn.max(0.0), rr)
             })
             .collect();
         GridMasses {
             cells,
             p_top,
-            q_top,
+            r_top,
         }
     }
 }
 
-/// The masses of one loss on a grid (see [`SubsampledGaussianLoss::grid_masses`]).
+/// (1 − q)·e^ε·N(0)-mass + q·e^ε·N(1)-mass, the first term only where its weight is nonzero
+/// (e^ε times an N(0)-mass may overflow at q = 1, and 0·∞ is NaN).
+fn add_mix(q: f64, one: f64, zero: impl Fn() -> f64) -> f64 {
+    if q < 1.0 {
+        (1.0 - q) * zero() + q * one
+    } else {
+        q * one
+    }
+}
+
+/// The masses of one loss on a grid (see [`SubsampledGaussianLoss::grid_masses`]). Q-masses
+/// are carried as y·Q (y = e^ε at the cell's lower end): y and Q are out of range above
+/// ε ≈ 709.78, their product never is (it is at most the P-mass).
 struct GridMasses {
-    /// Per interval I_i: (P(I_i), N_i = P(I_i) − y_i·Q(I_i), Q(I_i)).
+    /// Per interval I_i: (P(I_i), N_i = P(I_i) − y_i·Q(I_i), R_i = y_i·Q(I_i)).
     cells: Vec<(f64, f64, f64)>,
-    /// P and Q of the losses above the top grid point.
+    /// P of the losses above the top grid point, and y_n times their Q.
     p_top: f64,
-    q_top: f64,
+    r_top: f64,
 }
 
 fn finite(p: DiscretePld) -> DpResult<DiscretePld> {
@@ -257,10 +321,10 @@ fn finite(p: DiscretePld) -> DpResult<DiscretePld> {
 /// p_n = y_n·S_{n−1}, δ(ε_n) goes to +∞, and the rest of the mass to the bottom atom.
 fn connect_the_dots(g: &GridMasses, interval: f64, k0: i64) -> DiscretePld {
     let n = g.cells.len();
-    let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
     let up = 1.0 / interval.exp_m1(); // y_i / (y_{i+1} − y_i)
     let down = 1.0 / -(-interval).exp_m1(); // y_i / (y_i − y_{i−1})
     let c = &g.cells;
+    // y_i·Q(I_i) is the cell's R_i (y_i alone is never formed: it overflows above ε ≈ 709.78).
     let mut raw: Vec<f64> = (0..n + 1)
         .into_par_iter()
         .with_min_len(2048)
@@ -268,13 +332,13 @@ fn connect_the_dots(g: &GridMasses, interval: f64, k0: i64) -> DiscretePld {
             if i == 0 {
                 0.0
             } else if i < n {
-                y(i) * c[i].2 + c[i - 1].1 * down - c[i].1 * up
+                c[i].2 + c[i - 1].1 * down - c[i].1 * up
             } else {
-                y(n) * g.q_top + c[n - 1].1 * down
+                g.r_top + c[n - 1].1 * down
             }
         })
         .collect();
-    let inf_mass = (g.p_top - y(n) * g.q_top).max(0.0);
+    let inf_mass = (g.p_top - g.r_top).max(0.0);
     raw[0] = 1.0 - (raw[1..].iter().map(|p| p.max(0.0)).sum::<f64>() + inf_mass);
     let excess: f64 = raw.iter().filter(|p| **p < 0.0).map(|p| -p).sum();
     DiscretePld {
@@ -324,22 +388,29 @@ fn round_down(g: &GridMasses, interval: f64, k0: i64) -> DiscretePld {
 /// negative atom), the vertex is removed (its neighbours' chord is lower: the lower convex hull)
 /// or, at y_0, lowered. The atoms are computed as Q-masses m_i = p_i/y_i from the cell masses,
 /// never from differences of δ: m_i = Q(I_i) + t_{i−1} − t_i with t_i = (N_i − G_i + G_{i+1})/h_i.
+///
+/// Every Q-quantity is carried multiplied by its point's y (as the cells carry R_i = y_i·Q(I_i)):
+/// y_i·m_i = p_i, y_i·t_i = (N_i − G_i + G_{i+1})/(e^Δ − 1), y_i·c_i by the recurrence
+/// y_i·c_i = R_i + e^{−Δ}·y_{i+1}·c_{i+1}, and ratios of y's as exponentials of index
+/// differences: y alone overflows above ε ≈ 709.78, these products do not.
 fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
     let n = g.cells.len();
     if n < 2 {
         return None;
     }
     let c = &g.cells;
-    let em1 = interval.exp_m1();
-    let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
-    let h = |i: usize| y(i) * em1;
+    let em1 = interval.exp_m1(); // h_i = y_i·(e^Δ − 1)
+    let fall = -(-interval).exp_m1(); // 1 − e^{−Δ} = h_i/y_{i+1}
+    let (rise, decay) = (interval.exp(), (-interval).exp()); // y_{i+1}/y_i and its inverse
+    // y_a/y_b = e^{(a − b)Δ} for grid indices.
+    let ratio = |a: usize, b: usize| ((a as f64 - b as f64) * interval).exp();
     // Rounding in N_i (a difference where y_i is near 1 − q) is about u/Δ relative: the gaps
     // are widened by far more than that.
     let widen = 1.0 + 64.0 * f64::EPSILON / interval.min(1.0);
     let gap: Vec<f64> = (0..n)
         .map(|i| {
-            let (_, nn, qq) = c[i];
-            let hq = h(i) * qq;
+            let (_, nn, rr) = c[i];
+            let hq = em1 * rr; // h_i·Q(I_i)
             let v = if hq > 0.0 {
                 nn * (1.0 - nn / hq).max(0.0)
             } else {
@@ -348,15 +419,15 @@ fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
             v.min(nn) * widen
         })
         .collect();
-    // Q-mass above each grid point and δ at each grid point, summed from the top (all terms
-    // nonnegative): δ_i = δ_{i+1} + N_i + h_i·c_{i+1}.
-    let mut cq = vec![0.0f64; n + 1];
+    // y_i times the Q-mass above each grid point, and δ at each grid point, summed from the top
+    // (all terms nonnegative): δ_i = δ_{i+1} + N_i + h_i·c_{i+1}, h_i·c_{i+1} = (1 − e^{−Δ})·y_{i+1}·c_{i+1}.
+    let mut cy = vec![0.0f64; n + 1];
     let mut dl = vec![0.0f64; n + 1];
-    cq[n] = g.q_top;
-    dl[n] = (g.p_top - y(n) * g.q_top).max(0.0);
+    cy[n] = g.r_top;
+    dl[n] = (g.p_top - g.r_top).max(0.0);
     for i in (0..n).rev() {
-        cq[i] = cq[i + 1] + c[i].2;
-        dl[i] = dl[i + 1] + c[i].1 + h(i) * cq[i + 1];
+        cy[i] = c[i].2 + decay * cy[i + 1];
+        dl[i] = dl[i + 1] + c[i].1 + fall * cy[i + 1];
     }
     let lowered = |i: usize| -> f64 {
         let left = if i > 0 { gap[i - 1] } else { 0.0 };
@@ -382,15 +453,17 @@ fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
             lowered(i)
         }
     };
+    // y_i·t_i.
     let t: Vec<f64> = (0..kk)
-        .map(|i| (c[i].1 - lower_at(i) + lower_at(i + 1)) / h(i))
+        .map(|i| (c[i].1 - lower_at(i) + lower_at(i + 1)) / em1)
         .collect();
+    // m[i] holds y_i·m_i, the atom p_i (y_i·t_{i−1} = e^Δ·y_{i−1}·t_{i−1}).
     let mut m = vec![0.0f64; kk + 1];
     m[0] = c[0].2 - t[0];
     for i in 1..kk {
-        m[i] = c[i].2 + t[i - 1] - t[i];
+        m[i] = c[i].2 + rise * t[i - 1] - t[i];
     }
-    m[kk] = cq[kk] + t[kk - 1];
+    m[kk] = cy[kk] + rise * t[kk - 1];
     // Lower convex hull: remove concave vertices (negative atoms), lower y_0 if its atom is
     // negative. Each operation only lowers the curve.
     let mut st: Vec<usize> = Vec::with_capacity(kk + 1);
@@ -407,13 +480,15 @@ fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
             m[v] = 0.0;
             if l == 2 {
                 // y_0: lowering D_0 moves its Q-mass deficit onto the next vertex.
-                m[w] += mv;
+                m[w] += ratio(w, v) * mv;
                 break;
             }
+            // Q-masses: m_u += m_v·(y_w − y_v)/(y_w − y_u), m_w += m_v·(y_v − y_u)/(y_w − y_u);
+            // times y_u and y_w, with every y ratio at most 1.
             let u = st[l - 3];
-            let (yu, yv, yw) = (y(u), y(v), y(w));
-            m[u] += mv * (yw - yv) / (yw - yu);
-            m[w] += mv * (yv - yu) / (yw - yu);
+            let span = (-((w - u) as f64) * interval).exp_m1();
+            m[u] += mv * ratio(u, v) * ((-((w - v) as f64) * interval).exp_m1() / span);
+            m[w] += mv * ((-((v - u) as f64) * interval).exp_m1() / span);
             st.remove(l - 2);
         }
     }
@@ -422,7 +497,7 @@ fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
     }
     let mut probs = vec![0.0f64; kk + 1];
     for &i in &st {
-        probs[i] = (y(i) * m[i]).max(0.0);
+        probs[i] = m[i].max(0.0);
     }
     Some(DiscretePld {
         interval,
@@ -444,20 +519,23 @@ fn tight_lower(g: &GridMasses, interval: f64, k0: i64) -> Option<DiscretePld> {
 /// difference of curve values. An atom that rounding made negative is dropped (that raises the
 /// curve).
 pub fn envelope(a: &DiscretePld, b: &DiscretePld) -> DiscretePld {
+    // Slopes (Q-masses) are carried times their point's y, as in `tight_lower`: y_i alone
+    // overflows above ε ≈ 709.78. Where the same curve is taken on both sides of a point its
+    // atom is copied (y_i·(S_{i−1} − S_i) = p_i exactly).
     let n = a.probs.len().min(b.probs.len()) - 1;
     let (interval, k0) = (a.interval, a.offset);
-    let y = |i: usize| ((k0 + i as i64) as f64 * interval).exp();
     let em1 = interval.exp_m1();
     let fall = -(-interval).exp_m1(); // 1 − e^{−Δ}
-    // Per PLD: qs[i] = Σ_{j>i} p_j/y_j and the curve d[i] at y_i, from the top (all terms ≥ 0):
-    // d_i = d_{i+1} + h_i·qs_{i+1} + p_{i+1}·(1 − e^{−Δ}).
+    let (rise, decay) = (interval.exp(), (-interval).exp()); // y_{i+1}/y_i and its inverse
+    // Per PLD: qs[i] = y_i·Σ_{j>i} p_j/y_j = e^{−Δ}·(qs[i+1] + p_{i+1}), and the curve d[i] at
+    // y_i, from the top (all terms ≥ 0): d_i = d_{i+1} + (1 − e^{−Δ})·(qs_{i+1} + p_{i+1}).
     let curve = |p: &DiscretePld| -> (Vec<f64>, Vec<f64>) {
         let mut qs = vec![0.0f64; n + 1];
         let mut d = vec![0.0f64; n + 1];
         d[n] = p.inf_mass;
         for i in (0..n).rev() {
-            qs[i] = qs[i + 1] + p.probs[i + 1] / y(i + 1);
-            d[i] = d[i + 1] + y(i) * em1 * qs[i + 1] + p.probs[i + 1] * fall;
+            qs[i] = decay * (qs[i + 1] + p.probs[i + 1]);
+            d[i] = d[i + 1] + fall * (qs[i + 1] + p.probs[i + 1]);
         }
         (qs, d)
     };
@@ -465,27 +543,33 @@ pub fn envelope(a: &DiscretePld, b: &DiscretePld) -> DiscretePld {
     let (qb, db) = curve(b);
     let pick_a: Vec<bool> = (0..=n).map(|i| da[i] >= db[i]).collect();
     let value = |i: usize| if pick_a[i] { da[i] } else { db[i] };
+    // y_i times the negated slope on (y_i, y_{i+1}).
     let slope = |i: usize| -> f64 {
         match (pick_a[i], pick_a[i + 1]) {
             (true, true) => qa[i],
             (false, false) => qb[i],
-            _ => ((value(i) - value(i + 1)) / (y(i) * em1)).max(0.0),
+            _ => ((value(i) - value(i + 1)) / em1).max(0.0),
         }
     };
+    // The atom at i where both neighbouring intervals (those that exist) take one curve.
+    let kept = |i: usize| -> Option<f64> {
+        let same = (i == 0 || pick_a[i - 1] == pick_a[i]) && (i == n || pick_a[i + 1] == pick_a[i]);
+        same.then(|| if pick_a[i] { a.probs[i] } else { b.probs[i] })
+    };
     let left = if pick_a[0] {
-        qa[0] + a.probs[0] / y(0)
+        qa[0] + a.probs[0]
     } else {
-        qb[0] + b.probs[0] / y(0)
+        qb[0] + b.probs[0]
     };
     let mut probs = vec![0.0f64; n + 1];
     if n == 0 {
         probs[0] = 1.0 - a.inf_mass.max(b.inf_mass);
     } else {
-        probs[0] = y(0) * (left - slope(0));
+        probs[0] = kept(0).unwrap_or_else(|| left - slope(0));
         for (i, p) in probs.iter_mut().enumerate().take(n).skip(1) {
-            *p = y(i) * (slope(i - 1) - slope(i));
+            *p = kept(i).unwrap_or_else(|| rise * slope(i - 1) - slope(i));
         }
-        probs[n] = y(n) * slope(n - 1);
+        probs[n] = kept(n).unwrap_or_else(|| rise * slope(n - 1));
     }
     DiscretePld {
         interval,

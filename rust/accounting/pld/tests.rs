@@ -278,3 +278,88 @@ fn lower_bound_gaps_on_the_bench_cases() {
     }
 }
 
+
+#[test]
+fn gaussian_steps_with_losses_above_709_discretise_in_both_directions() {
+    // σ = 1/37: the loss is N(684.5, 37²), its grid reaches ~1000, where e^ε overflows and the
+    // Q-masses underflow. Before, the PLD was refused ("not finite"). Both directions at q = 1 are
+    // the same Gaussian; connect the dots gives δ(ε) at or just above the analytic value
+    // (Balle & Wang 2018, Theorem 8) and its mirror image at or below it.
+    let sigma = 1.0 / 37.0;
+    let dd = 1e-2;
+    for &dir in &[Direction::Remove, Direction::Add] {
+        let l = SubsampledGaussianLoss::new(1.0, sigma, dir);
+        let (k0, k1) = l.grid(dd, 1e-20, 1e-20);
+        assert!(k1 as f64 * dd > 900.0, "{dir:?} {k1}");
+        let p = l.discretize(dd, k0, k1, Bound::Pessimistic).unwrap();
+        let o = l.discretize(dd, k0, k1, Bound::Optimistic).unwrap();
+        let total: f64 = p.probs.iter().sum::<f64>() + p.inf_mass;
+        assert!((total - 1.0).abs() < 1e-12, "{dir:?} {total}");
+        for &e in &[600.0, 709.0, 750.0, 797.878, 841.355, 943.86] {
+            let exact = curve::gaussian_delta(sigma, e);
+            let up = curve::delta(&p, e, 0.0);
+            let lo = curve::delta(&o, e, 0.0);
+            assert!(up >= exact * (1.0 - 1e-9) && up <= exact * (1.0 + 1e-3), "{dir:?} {e}: {up} vs {exact}");
+            assert!(lo <= exact * (1.0 + 1e-9) && lo >= exact * (1.0 - 1e-2), "{dir:?} {e}: {lo} vs {exact}");
+        }
+    }
+}
+
+#[test]
+fn discretised_epsilon_above_709_brackets_the_exact_value() {
+    // The discretised path (a Gaussian of μ = 37 and a subsampled group that releases nothing
+    // measurable, which is (0, 1e-14)-DP): ε in [ε_G(δ), ε_G(δ − 1e-14)] (ε_G(1e-12) =
+    // 943.86055898… at 60 digits); before, an error, and at μ = 100 the value 0.
+    // (δ = 1e-12 here; δ = 1e-5, δ(ε) and the lower bound: tests/test_pld_large_eps.py.)
+    let g = [
+        Group { q: 1.0, sigma: 1.0, count: 1369.0 },
+        Group { q: 1e-12, sigma: 50.0, count: 1.0 },
+    ];
+    let b = epsilon_bounds(&g, 1e-12, &Options::default(), false).unwrap();
+    let exact = 943.860558982541;
+    assert!(b.upper >= exact && b.upper <= exact * (1.0 + 1e-4), "{b:?}");
+    let g = [
+        Group { q: 1.0, sigma: 0.5, count: 2500.0 },
+        Group { q: 1e-12, sigma: 50.0, count: 1.0 },
+    ];
+    let b = epsilon_bounds(&g, 1e-5, &Options::default(), false).unwrap();
+    let exact = 5425.50984614743;
+    assert!(b.upper >= exact && b.upper <= exact * (1.0 + 1e-4), "{b:?}");
+}
+
+#[test]
+fn subsampled_step_above_709_matches_the_closed_form() {
+    // One Poisson-subsampled step, q = 0.5, σ = 1/37 (Zhu, Dong, Wang 2022, Proposition 30):
+    // the exact ε(1e-5) is 834.83549684163647 (60 digits, the remove direction's hockey stick);
+    // before, the PLD was refused.
+    let g = [Group { q: 0.5, sigma: 1.0 / 37.0, count: 1.0 }];
+    let b = epsilon_bounds(&g, 1e-5, &Options::default(), true).unwrap();
+    let exact = 834.8354968416364;
+    assert!(b.upper >= exact && b.upper <= exact * (1.0 + 1e-4), "{b:?}");
+    assert!(b.lower <= exact, "{b:?}");
+}
+
+#[test]
+fn add_direction_near_its_largest_loss_keeps_its_mass() {
+    // At q = 1 − 1e-12 and σ = 1/37 nearly all of P's mass has loss within 1e-4 of
+    // −log(1 − q) in the add direction; the inverse of the loss there used to cancel to −∞ and
+    // the cell's mass was lost (the optimistic PLD was empty, the bounds an error, and the
+    // pessimistic one put the mass on the grid point below the loss).
+    let q: f64 = 1.0 - 1e-12;
+    let top = -(-q).ln_1p();
+    let l = SubsampledGaussianLoss::new(q, 1.0 / 37.0, Direction::Add);
+    let dd = 6.070878770616318e-4;
+    let (k0, k1) = l.grid(dd, 1e-12, 1e-20);
+    let p = l.discretize(dd, k0, k1, Bound::Pessimistic).unwrap();
+    let o = l.discretize(dd, k0, k1, Bound::Optimistic).unwrap();
+    let total = |x: &DiscretePld| x.probs.iter().sum::<f64>() + x.inf_mass;
+    assert!((total(&p) - 1.0).abs() < 1e-12 && (total(&o) - 1.0).abs() < 1e-9, "{} {}", total(&p), total(&o));
+    // δ just below the largest loss: P(L > ε) − e^ε·Q(L > ε) > 0; the pessimistic curve is above it.
+    let e = top - 1e-5;
+    assert!(curve::delta(&p, e, 0.0) > 0.0);
+    let g = [Group { q, sigma: 1.0 / 37.0, count: 4.0 }];
+    let b = epsilon_bounds(&g, 1e-5, &Options::default(), true).unwrap();
+    // Within total variation 4·(1 − q) of the Gaussian with μ = 74 (3052.6297…, 60 digits).
+    assert!(b.lower <= b.upper && b.upper >= curve::gaussian_epsilon(1.0 / 74.0, 1e-5 + 4.1e-12) * (1.0 - 1e-9));
+    assert!(b.upper <= 3052.6297 * (1.0 + 1e-4), "{b:?}");
+}
