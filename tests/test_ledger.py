@@ -414,10 +414,17 @@ def test_get_epsilon_refuses_a_relation_the_policies_do_not_support(tmp_path):
 
 def test_shuffle_is_never_amplified(tmp_path, fake_accounting):
     p = write_steps(tmp_path / "l.jsonl", 4, policy="shuffle")
-    with pytest.warns(LedgerWarning, match="without sampling amplification"):
-        ev = PrivacyLedger.load(p).to_event()
+    led = PrivacyLedger.load(p)
+    assert led.neighboring == "zero_out"  # the run's relation: batches that are not random samples
+    with pytest.warns(LedgerWarning, match="no sampling amplification"):
+        ev = led.to_event()
     (only,) = ev.events
+    # recorded without its epoch (as ledgers written before epochs were): one query per step,
+    # C under zero-out, a swap (2C) under add-or-remove
     assert isinstance(only.event, GaussianEvent) and only.count == 4
+    with pytest.warns(LedgerWarning):
+        (other,) = led.to_event("add_or_remove").events
+    assert other.count == 4 and other.event.noise_multiplier == only.event.noise_multiplier / 2
 
 
 def test_seeded_samples_warn(tmp_path, fake_accounting):
@@ -562,8 +569,16 @@ def test_pld_falls_back_to_rdp_for_the_whole_ledger(tmp_path):
     # Under add_or_remove RDP has no analysis of fixed-size samples either: the fallback is
     # announced, then RDP's own refusal is raised (no partial ε).
     with pytest.warns(LedgerWarning) as rec, pytest.raises(ValueError, match="only under neighboring='replace_one'"):
-        led.get_epsilon(1e-5)
+        led.get_epsilon(1e-5, neighboring="add_or_remove")
     assert any(fallback in str(r.message) for r in rec)
+    # The run's own relation (it used shuffled batches) is zero-out, under which a sample of b
+    # without replacement is the zeroed record's Poisson pair at b/n: PLD analyses everything.
+    assert led.neighboring == "zero_out"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        eps0 = led.get_epsilon(1e-5)
+    assert not any(fallback in str(r.message) for r in rec)
+    assert eps0 == led.get_epsilon(1e-5, neighboring="zero_out") and 0 < eps0 < math.inf
 
 
 # ----------------------------------------------------------------------------- properties

@@ -26,7 +26,34 @@ def test_events_of_each_sampler():
     assert A.sampler_event("truncated_poisson", 1.2, 30, sampling_probability=0.01, population_size=1000, max_batch_size=15) == (
         A.SelfComposedEvent(A.TruncatedPoissonSampledEvent(0.01, 15, 1000, g), 30)
     )
-    assert A.sampler_event("shuffle", 1.2, 30, sampling_probability=0.01) == A.SelfComposedEvent(g, 30)
+    # Shuffled batches, 30 steps of a 100-step epoch: one epoch begun. Zero-out (the default):
+    # C once an epoch; add-or-remove, ≥ 5 steps an epoch: √5·C; replace-one: 2C once an epoch.
+    assert A.sampler_event("shuffle", 1.2, 30, sampling_probability=0.01) == A.SelfComposedEvent(g, 1)
+    assert A.sampler_event("shuffle", 1.2, 250, sampling_probability=0.01, neighboring="add_or_remove") == (
+        A.SelfComposedEvent(A.GaussianEvent(1.2 / math.sqrt(5)), 3))
+    assert A.sampler_event("shuffle", 1.2, 250, sampling_probability=0.01, neighboring="replace_one") == (
+        A.SelfComposedEvent(A.GaussianEvent(0.6), 3))
+    # under 5 steps an epoch, and a fixed order: a swap at every step
+    assert A.sampler_event("shuffle", 1.2, 30, sampling_probability=0.5, neighboring="add_or_remove") == (
+        A.SelfComposedEvent(A.GaussianEvent(0.6), 30))
+    assert A.sampler_event("sequential", 1.2, 250, sampling_probability=0.01, neighboring="add_or_remove") == (
+        A.SelfComposedEvent(A.GaussianEvent(0.6), 250))
+    assert A.sampler_event("sequential", 1.2, 250, sampling_probability=0.01) == A.SelfComposedEvent(g, 3)
+    # fixed batches: ⌊1/q⌋ = 3 batches, 7 steps: 3 participations
+    assert A.sampler_event("cyclic", 1.2, 7, sampling_probability=0.3) == A.SelfComposedEvent(g, 3)
+    assert A.sampler_event("cyclic", 1.2, 7, sampling_probability=0.3, neighboring="add_or_remove") == (
+        A.SelfComposedEvent(A.GaussianEvent(0.6), 3))
+    # zero-out for the amplified samplers: the same pair (truncated Poisson: the Poisson one)
+    assert A.sampler_event("poisson", 1.2, 30, sampling_probability=0.01, neighboring="zero_out") == (
+        A.SelfComposedEvent(A.PoissonSampledEvent(0.01, g), 30))
+    assert A.sampler_event("truncated_poisson", 1.2, 30, sampling_probability=0.01, population_size=1000,
+                           max_batch_size=15, neighboring="zero_out") == A.SelfComposedEvent(A.PoissonSampledEvent(0.01, g), 30)
+    for sampler in ("poisson", "truncated_poisson", "balls_in_bins", "random_allocation"):
+        with pytest.raises(ValueError, match="no replace-one analysis"):
+            A.sampler_event(sampler, 1.2, 30, sampling_probability=0.01, population_size=1000,
+                            max_batch_size=15 if sampler == "truncated_poisson" else None, neighboring="replace_one")
+    with pytest.raises(ValueError, match="neighboring must be one of"):
+        A.sampler_event("shuffle", 1.2, 30, sampling_probability=0.01, neighboring="add_one")
     # 250 steps of 100-batch epochs: 3 epochs, the cut one counted whole.
     assert A.sampler_event("balls_in_bins", 1.2, 250, sampling_probability=0.01) == A.SelfComposedEvent(A.BallsInBinsSampledEvent(100, g), 3)
     assert A.sampler_event("random_allocation", 1.2, 400, sampling_probability=0.01, num_selected=2) == (
@@ -64,11 +91,14 @@ def test_steps_per_round():
 
 def test_poisson_and_shuffle_match_their_plain_analyses():
     assert A.sampler_epsilon("poisson", 1.1, 500, DELTA, sampling_probability=0.01) == A.epsilon(0.01, 1.1, 500, DELTA)
-    # Shuffled steps: 500 Gaussian queries on the whole data set = one Gaussian at z/√500.
+    # Shuffled steps, 5 epochs of 100: under zero-out 5 Gaussian queries of sensitivity C = one
+    # Gaussian at z/√5; under add-or-remove at z/√25 (√5·C an epoch).
     shuffled = A.sampler_epsilon("shuffle", 30.0, 500, DELTA, sampling_probability=0.01)
-    one = A.PldAccountant().compose(A.GaussianEvent(30.0 / math.sqrt(500))).get_epsilon(DELTA)
+    one = A.PldAccountant().compose(A.GaussianEvent(30.0 / math.sqrt(5))).get_epsilon(DELTA)
     assert shuffled == pytest.approx(one, rel=1e-9)
-    assert shuffled > A.sampler_epsilon("poisson", 30.0, 500, DELTA, sampling_probability=0.01)
+    aor = A.sampler_epsilon("shuffle", 30.0, 500, DELTA, sampling_probability=0.01, neighboring="add_or_remove")
+    assert aor == pytest.approx(A.PldAccountant().compose(A.GaussianEvent(30.0 / 5)).get_epsilon(DELTA), rel=1e-9)
+    assert shuffled > A.sampler_epsilon("poisson", 30.0, 500, DELTA, sampling_probability=0.01, neighboring="zero_out")
 
 
 def test_default_accountants():
@@ -96,7 +126,7 @@ def test_truncated_poisson_never_below_poisson(cap):
 
 def test_allocation_epsilons_are_finite_and_amplified():
     e_b = A.sampler_epsilon("balls_in_bins", 1.0, 1000, DELTA, sampling_probability=0.01)
-    e_s = A.sampler_epsilon("shuffle", 1.0, 1000, DELTA, sampling_probability=0.01)
+    e_s = A.sampler_epsilon("shuffle", 1.0, 1000, DELTA, sampling_probability=0.01, neighboring="add_or_remove")
     e_p = A.sampler_epsilon("poisson", 1.0, 1000, DELTA, sampling_probability=0.01)
     assert math.isfinite(e_b) and e_b < e_s / 10
     # A certified Rényi bound: within a small factor of Poisson's PLD at the same rate.
@@ -156,7 +186,8 @@ def test_cli_epsilon_all_samplers_side_by_side():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = {row["sampler"]: row for row in out["samplers"]}
-    assert set(rows) == {"poisson", "truncated_poisson", "balls_in_bins", "shuffle"}
+    assert out["neighboring"] == "add_or_remove"  # one relation for the whole table
+    assert set(rows) == {"poisson", "truncated_poisson", "balls_in_bins", "shuffle", "sequential", "cyclic"}
     assert rows["poisson"]["epsilon"] == pytest.approx(A.epsilon(0.01, 1.0, 1000, DELTA))
     assert rows["truncated_poisson"]["epsilon"] >= rows["poisson"]["epsilon"]
     assert rows["shuffle"]["ratio_to_poisson"] > 10

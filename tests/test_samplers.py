@@ -537,8 +537,12 @@ def test_recording_refuses_rounds_that_the_accountant_could_not_read(tmp_path):
             led.record_sample(20, None, "balls_in_bins", **bad)
     with pytest.raises(ValueError, match="needs round"):
         led.record_sample(20, 0.25, "balls_in_bins")
-    with pytest.raises(ValueError, match="belong to allocation policies"):
+    with pytest.raises(ValueError, match="belong to allocation and epoch policies"):
         led.record_sample(20, 0.25, "poisson", round=1)
+    with pytest.raises(ValueError, match="round_selected must be 1"):  # an epoch: one batch per record
+        led.record_sample(20, 0.25, "shuffle", round=1, step_in_round=0, round_steps=4, round_selected=2)
+    with pytest.raises(ValueError, match="with an epoch needs round"):
+        led.record_sample(20, 0.25, "sequential", round=1)
     with pytest.raises(ValueError, match="needs sampling_probability"):
         led.record_sample(20, 0.25, "truncated_poisson")
     assert path.read_bytes() == before  # nothing written

@@ -397,14 +397,18 @@ def test_bf16_autocast_on_cpu(tmp_path):
 
 def test_shuffled_batches_are_recorded_as_shuffle(tmp_path):
     tr = dp_trainer(tmp_path, dp=dict(poisson_sampling=False))
-    with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffle policy") as caught:
+    with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffled or fixed-order loader") as caught:
         tr.train()
     assert len([w for w in caught if "shuffle" in str(w.message)]) == 1  # once, not at every log
     led = tr.ledger
     assert led.num_releases == 3 and [s.policy for s in led.samples] == ["shuffle"] * 3
-    # no amplification: three Gaussian releases on the whole dataset
+    assert all(s.sample_size == tr.args.per_device_train_batch_size * tr.args.gradient_accumulation_steps
+               for s in led.samples)
+    # no amplification, recorded without the epoch: three Gaussian releases on the whole dataset,
+    # under the run's relation (zero-out: the number of records public)
+    assert led.neighboring == "zero_out"
     want = dpcore.accounting.epsilon(sampling_probability=1.0, noise_multiplier=1.0, steps=3, delta=tr.delta)
-    with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffle policy"):
+    with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffled or fixed-order loader"):
         assert tr.get_epsilon() == pytest.approx(want, rel=1e-3)
 
 

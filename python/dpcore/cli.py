@@ -202,12 +202,24 @@ def _sampler_kw(args: argparse.Namespace, parser: argparse.ArgumentParser, sampl
     """The keyword arguments of :func:`dpcore.accounting.sampler_event` for ``sampler``."""
     if sampler == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
         parser.error("--sampler truncated_poisson needs --population-size and --max-batch-size")
+    epochal = sampler in ("shuffle", "sequential", "cyclic")
+    if args.steps_per_epoch is not None and not epochal:
+        parser.error("--steps-per-epoch is an option of --sampler shuffle, sequential and cyclic")
     return {
         "sampling_probability": args.q,
         "population_size": args.population_size if sampler == "truncated_poisson" else None,
         "max_batch_size": args.max_batch_size if sampler == "truncated_poisson" else None,
         "num_selected": args.num_selected if sampler == "random_allocation" else 1,
+        "neighboring": _relation(args, sampler),
+        "steps_per_epoch": args.steps_per_epoch if epochal else None,
     }
+
+
+def _relation(args: argparse.Namespace, sampler: str) -> str:
+    """The relation asked for (``--neighboring``), else the sampler's default one."""
+    from .accounting.samplers import DEFAULT_RELATION
+
+    return args.neighboring or DEFAULT_RELATION[sampler]
 
 
 def _check_sampler_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
@@ -217,6 +229,10 @@ def _check_sampler_args(args: argparse.Namespace, parser: argparse.ArgumentParse
         for flag in ("max_batch_size", "population_size"):
             if getattr(args, flag, None) is not None:
                 parser.error(f"--{flag.replace('_', '-')} is an option of --sampler truncated_poisson (or all)")
+        if getattr(args, "steps_per_epoch", None) is not None:
+            parser.error("--steps-per-epoch is an option of --sampler shuffle, sequential and cyclic")
+        if getattr(args, "neighboring", None) not in (None, "add_or_remove", "zero_out"):
+            parser.error("Poisson sampling is analysed under --neighboring add_or_remove (or zero_out) only")
         if getattr(args, "num_selected", 1) != 1:
             parser.error("--num-selected is an option of --sampler random_allocation (or all)")
         return None
@@ -230,10 +246,13 @@ def _check_sampler_args(args: argparse.Namespace, parser: argparse.ArgumentParse
 def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, steps: int) -> Dict[str, Any]:
     """ε of the same (q, σ, steps) under every sampler that the arguments allow, beside
     Poisson's (``dpcore epsilon --sampler all``)."""
-    from .accounting.samplers import GUARANTEES, SAMPLERS, default_accountant, sampler_epsilon
+    from .accounting.samplers import ACCOUNTED_SAMPLERS, GUARANTEES, default_accountant, sampler_epsilon
 
+    # one relation for the whole table: ε is never compared across relations
+    relation = args.neighboring or "add_or_remove"
+    args.neighboring = relation
     rows = []
-    for name in SAMPLERS:
+    for name in ACCOUNTED_SAMPLERS:
         if name == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
             continue
         if name == "random_allocation" and args.num_selected == 1:
@@ -245,16 +264,18 @@ def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, ste
             rows.append({"sampler": name, "error": str(e)})
             continue
         rows.append({"sampler": name, "epsilon": eps, "accountant": acct, "guarantee": GUARANTEES[name]})
-    poisson = next(r["epsilon"] for r in rows if r["sampler"] == "poisson")
-    lines = [f"ε at δ = {args.delta:g} after {steps} steps, q = {args.q:g}, σ = {args.z:g}:"]
+    poisson = next((r.get("epsilon") for r in rows if r["sampler"] == "poisson"), None)
+    lines = [f"ε at δ = {args.delta:g} after {steps} steps, q = {args.q:g}, σ = {args.z:g}, neighbouring relation "
+             f"{relation}:"]
     for r in rows:
         if "error" in r:
             lines.append(f"  {r['sampler']:<18} n/a ({r['error']})")
             continue
-        r["ratio_to_poisson"] = r["epsilon"] / poisson if poisson > 0 else math.inf
-        lines.append(f"  {r['sampler']:<18} {r['epsilon']:<10.6g} ({r['accountant']}; {r['ratio_to_poisson']:.3g}× Poisson) {r['guarantee']}")
+        r["ratio_to_poisson"] = (r["epsilon"] / poisson if poisson > 0 else math.inf) if poisson is not None else None
+        ratio = f"{r['ratio_to_poisson']:.3g}× Poisson" if r["ratio_to_poisson"] is not None else "Poisson n/a"
+        lines.append(f"  {r['sampler']:<18} {r['epsilon']:<10.6g} ({r['accountant']}; {ratio}) {r['guarantee']}")
     return {"delta": args.delta, "steps": steps, "sampling_probability": args.q, "noise_multiplier": args.z,
-            "samplers": rows, "text": "\n".join(lines)}
+            "neighboring": relation, "samplers": rows, "text": "\n".join(lines)}
 
 
 def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
@@ -269,15 +290,23 @@ def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> D
         from .accounting.samplers import GUARANTEES, default_accountant, sampler_epsilon
 
         acct = default_accountant(sampler, args.accountant)
+        kw = _sampler_kw(args, parser, sampler)
+        rel = kw["neighboring"]
         with _Spinner("accounting"):
-            eps = sampler_epsilon(sampler, args.z, steps, args.delta, accountant=acct, **_sampler_kw(args, parser, sampler))
-            poisson = sampler_epsilon("poisson", args.z, steps, args.delta, sampling_probability=args.q)
+            try:
+                eps = sampler_epsilon(sampler, args.z, steps, args.delta, accountant=acct, **kw)
+            except ValueError as e:
+                raise DataError(str(e)) from None
+            poisson = sampler_epsilon("poisson", args.z, steps, args.delta, sampling_probability=args.q,
+                                      neighboring="zero_out" if rel == "zero_out" else "add_or_remove")
+        same = "" if rel != "replace_one" else " (under add_or_remove: not comparable)"
         return {
             "epsilon": eps, "accountant": acct, "delta": args.delta, "sampler": sampler, "sampling_probability": args.q,
-            "noise_multiplier": args.z, "steps": steps, "epsilon_poisson_same_rate": poisson,
+            "noise_multiplier": args.z, "steps": steps, "neighboring": rel, "epsilon_poisson_same_rate": poisson,
             "text": (
-                f"ε = {eps:.6g} at δ = {args.delta:g} ({acct}) after {steps} steps of {sampler} sampling, q = {args.q:g}, "
-                f"σ = {args.z:g}\n  Poisson sampling at the same rate: ε = {poisson:.6g} (pld)\n  {GUARANTEES[sampler]}"
+                f"ε = {eps:.6g} at δ = {args.delta:g} ({acct}, {rel}) after {steps} steps of {sampler} sampling, "
+                f"q = {args.q:g}, σ = {args.z:g}\n  Poisson sampling at the same rate: ε = {poisson:.6g} (pld){same}\n"
+                f"  {GUARANTEES[sampler]}"
             ),
         }
     args.accountant = args.accountant or "pld"
@@ -351,7 +380,7 @@ def _calibrate_sampler(args: argparse.Namespace, parser: argparse.ArgumentParser
     acct = default_accountant(sampler, args.accountant)
     kw = _sampler_kw(args, parser, sampler)
     out: Dict[str, Any] = {"epsilon": args.epsilon, "delta": args.delta, "accountant": acct, "sampler": sampler,
-                           "sampling_probability": args.q}
+                           "sampling_probability": args.q, "neighboring": kw["neighboring"]}
     with _Spinner("calibrating"):
         if args.z is None:
             z = calibrate_sampler_noise(args.epsilon, args.delta, sampler, steps, accountant=acct, **kw)
@@ -363,7 +392,7 @@ def _calibrate_sampler(args: argparse.Namespace, parser: argparse.ArgumentParser
                 raise DataError(f"not even one step (or round) stays within ε = {args.epsilon:g} at q = {args.q:g}, σ = {args.z:g}")
             out.update(steps=t, noise_multiplier=args.z)
             text = f"steps = {t} ({sampler} sampling, q = {args.q:g}, σ = {args.z:g}; {t * args.q:.4g} epochs)"
-    out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({acct})"
+    out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({acct}, {kw['neighboring']})"
     return out
 
 
@@ -571,12 +600,18 @@ def build_parser() -> argparse.ArgumentParser:
             "samplers (--sampler)",
             "Account the sampler the run actually uses (default poisson): truncated_poisson (Poisson at q, capped "
             "at --max-batch-size records of --population-size), balls_in_bins (each record in one of the epoch's "
-            "1/q batches), random_allocation (each record in --num-selected k of every k/q steps), shuffle (no "
-            "amplification)." + (" all: every sampler side by side with Poisson." if allow_all else ""),
+            "1/q batches), random_allocation (each record in --num-selected k of every k/q steps), shuffle (a fresh "
+            "permutation each epoch), sequential (a fixed order), cyclic (fixed batches cut once): these three without "
+            "amplification." + (" all: every sampler side by side with Poisson." if allow_all else ""),
         )
-        from .accounting.samplers import SAMPLERS
+        from .accounting.samplers import ACCOUNTED_SAMPLERS, NEIGHBORING
 
-        g.add_argument("--sampler", choices=list(SAMPLERS) + (["all"] if allow_all else []), default=None)
+        g.add_argument("--sampler", choices=list(ACCOUNTED_SAMPLERS) + (["all"] if allow_all else []), default=None)
+        g.add_argument("--neighboring", choices=list(NEIGHBORING), default=None,
+                       help="the neighbouring relation ε is stated under (default: the sampler's own, add_or_remove "
+                            "for the amplified samplers, zero_out for shuffle, sequential and cyclic; all: add_or_remove)")
+        g.add_argument("--steps-per-epoch", type=_count("--steps-per-epoch"), metavar="K",
+                       help="shuffle, sequential: steps in an epoch (default ceil(1/q)); cyclic: batches (floor(1/q))")
         g.add_argument("--population-size", type=_count("--population-size"), metavar="N")
         g.add_argument("--max-batch-size", type=_count("--max-batch-size"), metavar="B")
         g.add_argument("--num-selected", type=_count("--num-selected"), metavar="K", default=1)
@@ -634,7 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "accounted with its tuning (Papernot & Steinke 2022) and by composition")
     r.add_argument("--delta", type=_DELTA, required=True)
     r.add_argument("--format", choices=["markdown", "json"], default="markdown")
-    r.add_argument("--neighboring", choices=["add_or_remove", "replace_one"], default="add_or_remove")
+    r.add_argument("--neighboring", choices=["add_or_remove", "zero_out", "replace_one"], default=None,
+                   help="default: the relation of the run (zero_out when it used shuffled, fixed-order or fixed "
+                        "batches, else add_or_remove)")
     r.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
     common(r)
 

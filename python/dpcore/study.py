@@ -546,12 +546,12 @@ class Study:
             raise StudyError(f"{self._location}: the runs record different privacy units ({', '.join(sorted(units))})")
         return out
 
-    def epsilon(self, delta: float, *, neighboring: str = "add_or_remove", accountant: str = "pld") -> float:
+    def epsilon(self, delta: float, *, neighboring: Optional[str] = None, accountant: str = "pld") -> float:
         """The tuning-inclusive ε at ``delta``: bound (a) when a distribution is declared and
         applies, (b) otherwise (see the module docstring)."""
         return self.report(delta, neighboring=neighboring, accountant=accountant).epsilon
 
-    def report(self, delta: float, *, neighboring: str = "add_or_remove", accountant: str = "pld") -> StudyReport:
+    def report(self, delta: float, *, neighboring: Optional[str] = None, accountant: str = "pld") -> StudyReport:
         """The study's privacy report at ``delta`` (:class:`StudyReport`): the final run's own
         guarantee, bounds (a) and (b), per-run lines, assumptions and warnings.
 
@@ -564,13 +564,16 @@ class Study:
         from .accounting.rdp import epsilon_from_rdp
         from .accounting.tuning import distribution_name, rdp_repeat_and_select
         from .events import ComposedEvent
-        from .ledger._events import check_neighboring
+        from .ledger._events import analysis_relation, check_neighboring
         from .ledger._report import file_sha256
 
         delta = check_delta(delta)
-        check_neighboring(neighboring)
         check_accountant(accountant)
         runs = self._ledgers()
+        if neighboring is None:
+            # one relation for every run: zero-out holds for every run that add-or-remove holds for
+            neighboring = "zero_out" if any(led.neighboring == "zero_out" for _, led, _ in runs) else "add_or_remove"
+        check_neighboring(neighboring)
         notes: List[str] = []
         for r, _, ws in runs:
             notes += [f"run {r}: {w}" for w in ws]
@@ -606,13 +609,13 @@ class Study:
 
         # (b) the composition of every run, under one analysis (PLD unless it cannot analyse all).
         composed = ComposedEvent(tuple(events))
-        comp = make_accountant("pld", neighboring) if accountant == "pld" else None
+        comp = make_accountant("pld", analysis_relation(neighboring)) if accountant == "pld" else None
         if comp is not None and comp.supports(composed):
             comp.compose(composed)
         else:
             if comp is not None:
                 notes.append("the composition (b) is accounted with RDP: the PLD accountant cannot analyse every run")
-            comp = make_accountant("rdp", neighboring)
+            comp = make_accountant("rdp", analysis_relation(neighboring))
             try:
                 comp.compose(composed)
             except ValueError as e:

@@ -16,21 +16,59 @@ to 4×). Each sampler here is accounted by its own event and the analysis that f
                        batches, uniformly                          Event (epoch)
 ``random_allocation``  each record in k of every t = k/q steps,    RandomAllocation-       RDP
                        uniformly                                   SampledEvent (round)
-``shuffle``            a shuffled epoch cut into batches           GaussianEvent (step):   PLD
-                                                                   no amplification
+``shuffle``            a fresh permutation every epoch, cut into   GaussianEvent (epoch    PLD
+                       batches of b (the last one short)           or step, by relation)
+``sequential``         the records in a fixed order, cut into      GaussianEvent (epoch    PLD
+                       batches of b (a DataLoader without          or step, by relation)
+                       shuffle)
+``cyclic``             one permutation cut once into ⌊n/b⌋ fixed   GaussianEvent (per      PLD
+                       batches (the rest dropped), batch t mod     participation)
+                       ⌊n/b⌋ at step t
 =====================  ==========================================  ======================  ==========
 
-* Truncated Poisson: the PLD of dp_accounting 0.6 (a mixture of the Poisson-subsampled
-  Gaussian and, with the probability that the cap binds, a replace-one one; arXiv 2508.15089),
-  implemented in :class:`~dpcore.accounting.PldAccountant`.
+* Truncated Poisson: a mixture of the Poisson-subsampled Gaussian and, with the probability
+  that the cap binds, a second pair, taken in its add-or-remove form (dp_accounting 0.6 takes the
+  replace-one form, looser; the add-or-remove pair was checked valid by exhaustive enumeration of
+  small cases: ``rust/accounting/pld/truncated.rs``; arXiv 2508.15089), implemented in
+  :class:`~dpcore.accounting.PldAccountant`.
 * Balls-in-bins (Chua et al. 2025, arXiv 2412.16802) is random allocation of 1 step out of b
   (Feldman & Shenfeld 2025, arXiv 2502.08202); both are accounted by the certified Rényi bound
   of :mod:`dpcore.accounting.allocation` (no certified PLD of them is implemented: Chua et al.
   give only Monte Carlo estimates, which are not upper bounds). A round cut short is counted
   as a whole round.
-* Shuffling gets no amplification: a shuffled epoch is not a random sample, and its known
-  analyses are either loose or not certified (McMahan et al. 2018, §5; Chua et al. 2024).
+* Shuffled, fixed-order and fixed batches get no amplification by sampling (a shuffled epoch is
+  not a random sample; McMahan et al. 2018, §5; Chua et al. 2024): each record is in one batch
+  per epoch (per cycle of fixed batches), so the epoch is one Gaussian query of the record's
+  sensitivity there, which depends on the neighbouring relation (below).
 
+**Neighbouring relations** (:data:`NEIGHBORING`). ``add_or_remove``: the datasets differ by one
+record, added or removed (n changes). ``zero_out``: one record is replaced by one that
+contributes nothing (zero gradient); n is the same and public. ``replace_one``: one record is
+replaced by any other. Every sampler states which it supports (:data:`RELATIONS`); asking for
+another is refused with the reason. With clip norm C, noise z·C, k steps an epoch and E epochs
+begun (P participations of fixed batches):
+
+* ``shuffle``: zero-out, C once per epoch: E Gaussians of noise multiplier z. Add-or-remove:
+  couple the two permutations by inserting the added record at a uniformly random position and
+  moving the record it displaces to the short last batch: one batch changes by a swap (≤ 2C)
+  and another by one record (≤ C), √5·C per epoch, E Gaussians of z/√5, when the loader
+  reshuffles and k ≥ 5; otherwise every step is bounded by a swap, 2C: k·E Gaussians of z/2.
+  Replace-one: 2C once per epoch, E Gaussians of z/2.
+* ``sequential``: zero-out as shuffle. Add-or-remove: removing the first record shifts every
+  later batch by one record, a swap per batch: every step a Gaussian of z/2. Replace-one as
+  shuffle.
+* ``cyclic``: zero-out, P Gaussians of z (C at each of the record's participations).
+  Add-or-remove (the same coupling as shuffle; the displaced record goes to the dropped rest):
+  one batch changes by a swap at each of its participations, P Gaussians of z/2. Replace-one
+  likewise.
+* Poisson, truncated Poisson and the allocation samplers: add-or-remove as in the table, and
+  zero-out by the same events (a zero record contributes nothing wherever it is sampled; for
+  truncated Poisson it still takes its place under the cap, so the record is in the batch with
+  probability at most q: the Poisson-subsampled Gaussian). Replace-one is not analysed for them
+  here (refused).
+
+In the shuffled, fixed-order and fixed-batch statements the number of steps per epoch (⌈n/b⌉ or
+⌊n/b⌋) is treated as public: it depends on n, which add-or-remove changes.
 ``accountant=None`` picks the tightest certified accountant for the sampler (the last column).
 """
 
@@ -51,8 +89,32 @@ from ..events import (
 from .._validate import count as _count, probability, real as _real
 from .base import check_accountant, check_delta, make_accountant
 
-#: The samplers accounted here, by the name every ``sampler=`` argument takes.
+#: The samplers the adapters draw with, by the name every ``sampler=`` argument takes.
 SAMPLERS = ("poisson", "truncated_poisson", "balls_in_bins", "random_allocation", "shuffle")
+#: Every batch schedule accounted here: the samplers and the fixed-order loader
+#: (``sequential``) and fixed batches (``cyclic``) a run may use instead.
+ACCOUNTED_SAMPLERS = SAMPLERS + ("sequential", "cyclic")
+#: The neighbouring relations (see the module docs).
+NEIGHBORING = ("add_or_remove", "zero_out", "replace_one")
+#: The relations each sampler's guarantee holds under, and why the others are refused.
+RELATIONS = {
+    "poisson": ("add_or_remove", "zero_out"),
+    "truncated_poisson": ("add_or_remove", "zero_out"),
+    "balls_in_bins": ("add_or_remove", "zero_out"),
+    "random_allocation": ("add_or_remove", "zero_out"),
+    "shuffle": ("add_or_remove", "zero_out", "replace_one"),
+    "sequential": ("add_or_remove", "zero_out", "replace_one"),
+    "cyclic": ("add_or_remove", "zero_out", "replace_one"),
+}
+_REFUSED = {
+    "replace_one": "no replace-one analysis of {sampler} sampling is implemented (its amplification is analysed "
+                   "for a record added or removed, or zeroed out); use neighboring='add_or_remove' or 'zero_out'",
+}
+#: The relation a run of each sampler is stated under by default: add-or-remove where its
+#: analysis is the tight one, zero-out for the batch schedules without amplification (their
+#: add-or-remove bounds pay for a record shifting the batches).
+DEFAULT_RELATION = {s: "add_or_remove" for s in SAMPLERS[:4]}
+DEFAULT_RELATION.update(shuffle="zero_out", sequential="zero_out", cyclic="zero_out")
 #: The tightest certified accountant of each sampler.
 DEFAULT_ACCOUNTANTS = {
     "poisson": "pld",
@@ -60,6 +122,8 @@ DEFAULT_ACCOUNTANTS = {
     "balls_in_bins": "rdp",
     "random_allocation": "rdp",
     "shuffle": "pld",
+    "sequential": "pld",
+    "cyclic": "pld",
 }
 #: What each sampler guarantees, in a sentence (the report and the README use these).
 GUARANTEES = {
@@ -67,14 +131,63 @@ GUARANTEES = {
     "truncated_poisson": "Poisson amplification, slightly weakened where the cap binds (PLD)",
     "balls_in_bins": "amplification close to Poisson at q = 1/b, certified by a Rényi bound",
     "random_allocation": "amplification close to Poisson at q = k/t, certified by a Rényi bound",
-    "shuffle": "none: every step is a full Gaussian query on the data set",
+    "shuffle": "none by sampling: one Gaussian query per epoch (zero-out), √5·C per epoch or 2C per step (add-or-remove)",
+    "sequential": "none by sampling: one Gaussian query per epoch (zero-out), 2C per step (add-or-remove)",
+    "cyclic": "none by sampling: one Gaussian query per participation (zero-out), 2C per participation (add-or-remove)",
 }
 
 
 def check_sampler(sampler: Any) -> str:
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
+    if sampler not in ACCOUNTED_SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(ACCOUNTED_SAMPLERS)}; got {sampler!r}")
     return sampler
+
+
+def check_relation(sampler: str, neighboring: Any) -> str:
+    """``neighboring`` if ``sampler``'s guarantee holds under it; ValueError with the reason
+    otherwise."""
+    if neighboring not in NEIGHBORING:
+        raise ValueError(f"neighboring must be one of {', '.join(NEIGHBORING)}, got {neighboring!r}")
+    if neighboring not in RELATIONS[check_sampler(sampler)]:
+        raise ValueError(_REFUSED[neighboring].format(sampler=sampler))
+    return neighboring
+
+
+def analysis_relation(neighboring: str) -> str:
+    """The relation the accountants analyse an event of ``neighboring`` under: zero-out
+    events are the add-or-remove pair's (a zeroed record contributes exactly what a removed
+    one does), so they go to the accountants as ``add_or_remove``."""
+    return "replace_one" if neighboring == "replace_one" else "add_or_remove"
+
+
+def steps_per_epoch(sampler: str, sampling_probability: float, steps_per_epoch: Optional[int] = None) -> int:
+    """k: the steps of one epoch of ``shuffle`` or ``sequential`` (⌈n/b⌉ = ⌈1/q⌉ by default)
+    or of one cycle of ``cyclic`` fixed batches (⌊n/b⌋ = ⌊1/q⌋), or the given ``steps_per_epoch``."""
+    if steps_per_epoch is not None:
+        return _count("steps_per_epoch", steps_per_epoch, 1)
+    q = probability("sampling_probability", sampling_probability)
+    if not q > 0:
+        raise ValueError(f"sampling_probability must be > 0 for {sampler}, got {q}")
+    # 1e-9: q = b/n given as a float; 1/q a whole number up to rounding
+    return max(1, math.floor(1.0 / q + 1e-9)) if sampler == "cyclic" else max(1, math.ceil(1.0 / q - 1e-9))
+
+
+def epoch_event(sampler: str, noise_multiplier: float, steps: int, epochs: int, steps_in_epoch: int,
+                neighboring: str) -> Event:
+    """The event of ``steps`` released steps over ``epochs`` epochs begun (cycles, for
+    ``cyclic``) of ``steps_in_epoch`` steps each, with Gaussian noise ``noise_multiplier``
+    relative to the clip norm, under ``neighboring`` (the module docs give the bounds)."""
+    z = noise_multiplier
+    check_relation(sampler, neighboring)
+    if neighboring == "zero_out":
+        return SelfComposedEvent(GaussianEvent(z), epochs)
+    if neighboring == "replace_one":
+        return SelfComposedEvent(GaussianEvent(z / 2.0), epochs)
+    if sampler == "shuffle" and steps_in_epoch >= 5:
+        return SelfComposedEvent(GaussianEvent(z / math.sqrt(5.0)), epochs)
+    if sampler == "cyclic":
+        return SelfComposedEvent(GaussianEvent(z / 2.0), epochs)
+    return SelfComposedEvent(GaussianEvent(z / 2.0), steps)
 
 
 def default_accountant(sampler: str, accountant: Optional[str] = None) -> str:
@@ -113,12 +226,18 @@ def sampler_event(
     population_size: Optional[int] = None,
     max_batch_size: Optional[int] = None,
     num_selected: int = 1,
+    neighboring: Optional[str] = None,
+    steps_per_epoch: Optional[int] = None,
 ) -> Event:
     """The accountant event of ``steps`` steps of ``sampler`` with the Gaussian mechanism at
-    ``noise_multiplier`` (see the module's table). ``population_size`` and ``max_batch_size``
-    are required by (and only by) ``truncated_poisson``; ``num_selected`` is the k of
-    ``random_allocation``. Allocation samplers are counted in whole rounds: ⌈steps/t⌉."""
+    ``noise_multiplier`` (see the module's table), under ``neighboring`` (None: the sampler's
+    :data:`DEFAULT_RELATION`). ``population_size`` and ``max_batch_size`` are required by (and
+    only by) ``truncated_poisson``; ``num_selected`` is the k of ``random_allocation``.
+    Allocation samplers are counted in whole rounds: ⌈steps/t⌉; shuffled and fixed-order
+    loaders in epochs begun, ⌈steps/k⌉ with k = ``steps_per_epoch`` (default ⌈1/q⌉), fixed
+    batches in participations, ⌈steps/k⌉ with k = ⌊1/q⌋ batches."""
     check_sampler(sampler)
+    rel = check_relation(sampler, DEFAULT_RELATION[sampler] if neighboring is None else neighboring)
     z = _real("noise_multiplier", noise_multiplier)
     if not z >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {z}")
@@ -131,13 +250,18 @@ def sampler_event(
         raise ValueError(f"max_batch_size is the cap of truncated_poisson; {sampler} has none")
     if sampler != "random_allocation" and num_selected != 1:
         raise ValueError(f"num_selected is the k of random_allocation; {sampler} takes none")
+    if steps_per_epoch is not None and sampler not in ("shuffle", "sequential", "cyclic"):
+        raise ValueError(f"steps_per_epoch is for shuffle, sequential and cyclic; {sampler} takes none")
     g = GaussianEvent(z)
     if sampler == "poisson":
         return SelfComposedEvent(PoissonSampledEvent(q, g), s)
     if sampler == "truncated_poisson":
+        if rel == "zero_out":  # the record is in the batch with probability at most q
+            return SelfComposedEvent(PoissonSampledEvent(q, g), s)
         return SelfComposedEvent(TruncatedPoissonSampledEvent(q, max_batch_size, population_size, g), s)
-    if sampler == "shuffle":
-        return SelfComposedEvent(g, s)
+    if sampler in ("shuffle", "sequential", "cyclic"):
+        k = globals()["steps_per_epoch"](sampler, q, steps_per_epoch)
+        return epoch_event(sampler, z, s, -(-s // k), k, rel)
     t = steps_per_round(sampler, q, num_selected)
     rounds = -(-s // t)
     if sampler == "balls_in_bins":
@@ -156,16 +280,21 @@ def sampler_epsilon(
     max_batch_size: Optional[int] = None,
     num_selected: int = 1,
     accountant: Optional[str] = None,
+    neighboring: Optional[str] = None,
+    steps_per_epoch: Optional[int] = None,
 ) -> float:
-    """ε at ``delta`` of ``steps`` steps of ``sampler`` (:func:`sampler_event`), under
-    ``accountant`` (None: the tightest certified one for the sampler)."""
+    """ε at ``delta`` of ``steps`` steps of ``sampler`` (:func:`sampler_event`) under
+    ``neighboring`` (None: the sampler's :data:`DEFAULT_RELATION`), by ``accountant`` (None:
+    the tightest certified one for the sampler)."""
     acct = default_accountant(sampler, accountant)
     d = check_delta(delta)
+    rel = DEFAULT_RELATION[check_sampler(sampler)] if neighboring is None else neighboring
     ev = sampler_event(
         sampler, noise_multiplier, steps, sampling_probability=sampling_probability,
         population_size=population_size, max_batch_size=max_batch_size, num_selected=num_selected,
+        neighboring=rel, steps_per_epoch=steps_per_epoch,
     )
-    return make_accountant(acct).compose(ev).get_epsilon(d)
+    return make_accountant(acct, analysis_relation(rel)).compose(ev).get_epsilon(d)
 
 
 def calibrate_noise_for(
@@ -176,9 +305,11 @@ def calibrate_noise_for(
     *,
     start: Optional[float] = None,
     rel: float = 1e-5,
+    neighboring: str = "add_or_remove",
 ) -> float:
     """The smallest noise multiplier z, to ``rel`` relative and from above, such that the event
-    ``event_at(z)`` is (``target_epsilon``, ``target_delta``)-DP under ``accountant``; ε must
+    ``event_at(z)`` is (``target_epsilon``, ``target_delta``)-DP under ``accountant`` (analysing
+    under ``neighboring``: ``"add_or_remove"`` or ``"replace_one"``); ε must
     fall as z grows (true of every sampled Gaussian here).
 
     From ``start`` (e.g. the Poisson calibration at the same rate: cheap and close) the search
@@ -199,7 +330,7 @@ def calibrate_noise_for(
 
     def f(lz: float) -> float:
         """log ε − log target at z = exp(lz): > 0 misses the target, ≤ 0 meets it (NaN misses)."""
-        eps = make_accountant(accountant).compose(event_at(math.exp(lz) * (1.0 - 1e-12))).get_epsilon(d)
+        eps = make_accountant(accountant, neighboring).compose(event_at(math.exp(lz) * (1.0 - 1e-12))).get_epsilon(d)
         return math.inf if not eps <= math.inf else (math.log(eps) - log_e if eps > 0 else -math.inf)
 
     lz, step = math.log(max(start if start and math.isfinite(start) else 1.0, 1e-3)), 0.1
@@ -267,20 +398,26 @@ def calibrate_sampler_noise(
     num_selected: int = 1,
     accountant: Optional[str] = None,
     rel: float = 1e-5,
+    neighboring: Optional[str] = None,
+    steps_per_epoch: Optional[int] = None,
 ) -> float:
     """Smallest noise multiplier z (to ``rel`` relative, from above) such that
-    :func:`sampler_epsilon` ≤ ``target_epsilon`` (:func:`calibrate_noise_for`)."""
+    :func:`sampler_epsilon` ≤ ``target_epsilon`` under ``neighboring`` (None: the sampler's
+    default relation) (:func:`calibrate_noise_for`)."""
     acct = default_accountant(sampler, accountant)
+    nb = DEFAULT_RELATION[check_sampler(sampler)] if neighboring is None else neighboring
     kw = dict(
         sampling_probability=sampling_probability, population_size=population_size,
-        max_batch_size=max_batch_size, num_selected=num_selected,
+        max_batch_size=max_batch_size, num_selected=num_selected, neighboring=nb,
+        steps_per_epoch=steps_per_epoch,
     )
     sampler_event(sampler, 1.0, steps, **kw)  # validates everything before the search
     if _count("steps", steps) == 0:
         return 0.0
     start = poisson_start(target_epsilon, target_delta, sampling_probability, steps)
     return calibrate_noise_for(
-        lambda z: sampler_event(sampler, z, steps, **kw), target_epsilon, target_delta, acct, start=start, rel=rel
+        lambda z: sampler_event(sampler, z, steps, **kw), target_epsilon, target_delta, acct, start=start, rel=rel,
+        neighboring=analysis_relation(nb),
     )
 
 
@@ -296,25 +433,30 @@ def calibrate_sampler_steps(
     num_selected: int = 1,
     accountant: Optional[str] = None,
     max_steps: int = 1 << 40,
+    neighboring: Optional[str] = None,
+    steps_per_epoch: Optional[int] = None,
 ) -> int:
     """Largest number of steps (0 if none fits) with :func:`sampler_epsilon` ≤
-    ``target_epsilon``. For the allocation samplers the answer is a whole number of rounds
-    (their ε is that of whole rounds)."""
+    ``target_epsilon`` under ``neighboring`` (None: the sampler's default relation). For the
+    allocation samplers the answer is a whole number of rounds (their ε is that of whole
+    rounds)."""
     e = _real("target_epsilon", target_epsilon)
     if not e > 0:
         raise ValueError(f"target_epsilon must be > 0, got {e}")
     d = check_delta(target_delta)
     acct = default_accountant(sampler, accountant)
+    nb = DEFAULT_RELATION[check_sampler(sampler)] if neighboring is None else neighboring
     kw = dict(
         sampling_probability=sampling_probability, population_size=population_size,
-        max_batch_size=max_batch_size, num_selected=num_selected,
+        max_batch_size=max_batch_size, num_selected=num_selected, neighboring=nb,
+        steps_per_epoch=steps_per_epoch,
     )
     sampler_event(sampler, noise_multiplier, 1, **kw)
     unit = steps_per_round(sampler, sampling_probability, num_selected) if sampler in ("balls_in_bins", "random_allocation") else 1
 
     def ok(units: int) -> bool:
         ev = sampler_event(sampler, noise_multiplier, units * unit, **kw)
-        return make_accountant(acct).compose(ev).get_epsilon(d) <= e
+        return make_accountant(acct, analysis_relation(nb)).compose(ev).get_epsilon(d) <= e
 
     if not ok(1):
         return 0

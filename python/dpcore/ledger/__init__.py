@@ -67,7 +67,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .._attrs import readonly
 from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_accountant
 from ..events import SelfComposedEvent
-from ._events import check_neighboring, rdp_relation_error, samples_to_event
+from ._events import analysis_relation, check_neighboring, rdp_relation_error, run_relation, samples_to_event
 from ._storage import (
     ALLOCATION_POLICIES,
     BALLS_IN_BINS,
@@ -352,7 +352,17 @@ class PrivacyLedger:
     def __repr__(self) -> str:
         return f"PrivacyLedger({self._path!r}, samples={len(self._samples)})"
 
-    def to_event(self, neighboring: str = "add_or_remove") -> Any:
+    @property
+    def neighboring(self) -> str:
+        """The neighbouring relation this run's ε is stated under by default: ``"zero_out"``
+        (one record replaced by one contributing nothing, the number of records public) when any
+        release used shuffled, fixed-order or fixed batches or a matrix-factorization stream,
+        whose add-or-remove bounds pay for the batches shifting; else ``"add_or_remove"``.
+        Every method that takes ``neighboring=`` uses this one when it is None; see the
+        "Neighbouring relations" section of the accounting docs."""
+        return run_relation(self._samples)
+
+    def to_event(self, neighboring: Optional[str] = None) -> Any:
         """The whole ledger as one accountant event (``dpcore.accounting``), McMahan et al. §6.
 
         Each sample with releases becomes one Gaussian event whose noise multiplier comes from
@@ -375,24 +385,32 @@ class PrivacyLedger:
         (:func:`dpcore.ledger._events.account_streams`). Other queries on cyclic samples are
         accounted like shuffled ones (no amplification), with a warning.
 
-        ``neighboring`` fixes what the noise multiplier is relative to. The recorded S_g bound one
-        record's contribution, which is the sensitivity under ``"add_or_remove"``: z = 1/S*
+        ``neighboring`` (None: :attr:`neighboring`, the run's relation) fixes what the noise
+        multiplier is relative to. The recorded S_g bound one record's contribution, which is the
+        sensitivity under ``"add_or_remove"`` and ``"zero_out"`` for a sampled step: z = 1/S*
         (Eq. (1)). Replacing a record moves each group's sum by up to 2·S_g, so under
         ``"replace_one"`` z = 1/(2·S*) (exact: a halving). For microbatches recorded with the
         doubled bound 2C this double-counts under replace-one (the survey's footnote 27 gives 2C
-        there too): the ε is then an upper bound, not tight.
+        there too): the ε is then an upper bound, not tight. Shuffled, fixed-order and fixed
+        batches are accounted per epoch under each relation as :mod:`dpcore.ledger._events`
+        says (zero-out: C once an epoch; add-or-remove: a record shifts the batches).
         """
-        return samples_to_event(self._samples, self._path, neighboring)
+        return samples_to_event(self._samples, self._path, self._relation(neighboring))
+
+    def _relation(self, neighboring: Optional[str]) -> str:
+        return self.neighboring if neighboring is None else check_neighboring(neighboring)
 
     def get_epsilon(
         self,
         delta: float,
         accountant: str = DEFAULT_ACCOUNTANT,
         *,
-        neighboring: str = "add_or_remove",
+        neighboring: Optional[str] = None,
         orders: Any = None,
     ) -> float:
-        """ε such that everything released under this ledger is (ε, δ)-DP (an upper bound).
+        """ε such that everything released under this ledger is (ε, δ)-DP (an upper bound)
+        under ``neighboring`` (None: :attr:`neighboring`, the run's relation; ε is never
+        comparable across relations).
 
         ``accountant="pld"`` (the default): :class:`dpcore.accounting.PldAccountant` over
         :meth:`to_event`, the tightest bound. When the ledger holds an event the PLD accountant
@@ -407,14 +425,14 @@ class PrivacyLedger:
         """
         return self._accountant(accountant, neighboring, orders).get_epsilon(delta)
 
-    def report(self, delta: float, *, neighboring: str = "add_or_remove", accountant: str = DEFAULT_ACCOUNTANT) -> Any:
+    def report(self, delta: float, *, neighboring: Optional[str] = None, accountant: str = DEFAULT_ACCOUNTANT) -> Any:
         """The privacy report of this ledger at ``delta`` (:class:`~dpcore.ledger.PrivacyReport`):
         the checklist of Ponomareva et al. 2023, §5.3.3 (setting, unit, neighbouring relation,
         data accesses, mechanism, accounting, assumptions), ε exactly as :meth:`get_epsilon`
         with the PLD lower bound and RDP beside it, and the file's SHA-256."""
         from ._report import build_report
 
-        return build_report(self, delta, neighboring=neighboring, accountant=accountant)
+        return build_report(self, delta, neighboring=self._relation(neighboring), accountant=accountant)
 
     def epsilon_curve(self, delta: float, *, points: int = 200, accountants: Any = ("pld", "rdp"), **kw: Any) -> Any:
         """ε after the first t releases for about ``points`` values of t, under each accountant
@@ -428,7 +446,7 @@ class PrivacyLedger:
         epsilon: float,
         accountant: str = DEFAULT_ACCOUNTANT,
         *,
-        neighboring: str = "add_or_remove",
+        neighboring: Optional[str] = None,
         orders: Any = None,
     ) -> float:
         """δ such that everything released under this ledger is (ε, δ)-DP (an upper bound).
@@ -438,17 +456,17 @@ class PrivacyLedger:
         """
         return self._accountant(accountant, neighboring, orders).get_delta(epsilon)
 
-    def _accountant(self, accountant: str, neighboring: str, orders: Any) -> Any:
+    def _accountant(self, accountant: str, neighboring: Optional[str], orders: Any) -> Any:
         """An accountant of the requested kind holding the whole ledger (or RDP, see
         :meth:`get_epsilon`). Warnings are attributed to the caller of get_epsilon/get_delta."""
         check_accountant(accountant)
-        check_neighboring(neighboring)
+        neighboring = self._relation(neighboring)
         if orders is not None and accountant != "rdp":
             raise ValueError(f"orders are Rényi orders, for accountant='rdp' only (got accountant={accountant!r})")
         event = None
         if accountant == "pld":
             event = samples_to_event(self._samples, self._path, neighboring, stacklevel=4)
-            acct = make_accountant("pld", neighboring)
+            acct = make_accountant("pld", analysis_relation(neighboring))
             if acct.supports(event):
                 acct.compose(event)
                 return acct
@@ -470,7 +488,7 @@ class PrivacyLedger:
         if event is None:
             # Built after the relation check, so a refused ledger raises before any warning.
             event = samples_to_event(self._samples, self._path, neighboring, stacklevel=4)
-        acct = make_accountant("rdp", neighboring, orders=orders)
+        acct = make_accountant("rdp", analysis_relation(neighboring), orders=orders)
         acct.compose(event)
         return acct
 

@@ -31,9 +31,16 @@ coefficients (:mod:`dpcore.matrix_factorization._strategies`). So the sensitivit
 sens/z, whatever the directions and sizes of the per-step contributions, and the noise
 multiplier of the stream at least z/sens. (With negative entries in CᵀC the bound would fail.)
 
-Neighbouring: ``add_or_remove`` takes the recorded S as the sensitivity of a record's step
-(zero-out adjacency, as in the MF papers: a record's contribution replaced by zero);
-``replace_one`` halves z, as for every other query.
+Neighbouring (:data:`NEIGHBORING`). The MF papers' analyses are under zero-out adjacency (a
+record's contribution replaced by zero, n public), and so is the stream's event under
+``zero_out``: the recorded S is the sensitivity of the record's step. Under ``add_or_remove``
+the fixed batches change: adding a record to the permutation the batches are cut from, at a
+uniformly random position, and moving the record it displaces to the dropped rest is a coupling
+of the two uniform permutations in which one batch changes by a swap (≤ 2S at each of its
+participations) and no other batch changes, provided the number of batches ⌊n/b⌋ is the same
+(n is treated as public): the stream is then ``GaussianEvent(z/(2·sens))``. Cyclic Poisson
+streams under ``add_or_remove`` are refused (the displaced record joins another group, which
+this analysis does not bound). ``replace_one`` halves z, as for every other query.
 
 **Allocation rounds** (policies ``"balls_in_bins"`` and ``"random_allocation"``). Their
 amplification rests on the whole round (every record in exactly k of its t steps), not on any
@@ -48,6 +55,19 @@ post-processing of the whole round (the allocation event's analysis is over all 
 round with a non-private release is ``NonPrivateEvent``. The allocation analyses are under
 add-or-remove-one only (one record's k steps added or removed): under replace-one these
 policies are refused.
+
+**Epochs without amplification** (policies ``"shuffle"`` and ``"sequential"``, and ``"cyclic"``
+samples carrying queries outside any stream). A record is in at most one batch of an epoch.
+Samples recorded with their epoch as a round (round_selected 1) are read one event per epoch,
+z_min the smallest Eq. (1) noise multiplier of its released steps, m of them:
+``zero_out``: ``GaussianEvent(z_min)`` (C once); ``replace_one``: ``GaussianEvent(z_min/2)``;
+``add_or_remove``: ``GaussianEvent(z_min/√5)`` for a shuffled epoch of t ≥ 5 steps (the
+insertion coupling of :mod:`dpcore.accounting.samplers`: a swap in one batch and one record in
+the short last one), else m steps of ``GaussianEvent(z/2)`` (removing a record shifts every
+later batch by one record: a swap each). Samples without an epoch (ledgers written before,
+and cyclic samples) are read per step: ``GaussianEvent(z)`` under zero-out, ``GaussianEvent(z/2)``
+otherwise. The epoch's step count depends on n, which add-or-remove changes: n is treated as
+public there (the report says so).
 """
 
 from __future__ import annotations
@@ -61,9 +81,12 @@ from ..events import effective_noise_multiplier
 from ._storage import (
     ALLOCATION_POLICIES,
     BALLS_IN_BINS,
+    CYCLIC,
     CYCLIC_POISSON,
+    EPOCH_POLICIES,
     FIXED_SIZE,
     POISSON,
+    SEQUENTIAL,
     SHUFFLE,
     TRUNCATED_POISSON,
     LedgerError,
@@ -73,13 +96,32 @@ from ._storage import (
     _declaration,
 )
 
-NEIGHBORING = ("add_or_remove", "replace_one")
+NEIGHBORING = ("add_or_remove", "zero_out", "replace_one")
+#: Policies whose batches are not random samples: a run using them is stated under zero-out by
+#: default (their add-or-remove bounds pay for a record shifting the batches).
+UNAMPLIFIED_POLICIES = (SHUFFLE, SEQUENTIAL, CYCLIC, CYCLIC_POISSON)
 
 
 def check_neighboring(neighboring: Any) -> str:
     if neighboring not in NEIGHBORING:
-        raise ValueError(f"neighboring must be 'add_or_remove' or 'replace_one', got {neighboring!r}")
+        raise ValueError(f"neighboring must be one of {', '.join(map(repr, NEIGHBORING))}, got {neighboring!r}")
     return neighboring
+
+
+def run_relation(samples: Any) -> str:
+    """The relation a run is stated under by default: ``zero_out`` when any of its releases used
+    shuffled, fixed-order or fixed batches (or a matrix-factorization stream), else
+    ``add_or_remove``."""
+    for s, _ in _runs(samples):
+        if s.released and (s.policy in UNAMPLIFIED_POLICIES or s.stream_queries()):
+            return "zero_out"
+    return "add_or_remove"
+
+
+def analysis_relation(neighboring: str) -> str:
+    """The relation the accountants analyse the events of ``neighboring`` under (zero-out
+    events are the add-or-remove pair's: a zeroed record contributes what a removed one does)."""
+    return "replace_one" if neighboring == "replace_one" else "add_or_remove"
 
 
 def _runs(samples: Any) -> Any:
@@ -103,8 +145,9 @@ class StreamAccount:
     the ledger; ``steps``: m, the samples carrying the stream's steps; ``noise_multiplier``: z =
     min_t z_t (σ/S of the step, Eq. (1) over the stream's groups on one sample);
     ``sensitivity``: sens(C, m, participation), recomputed; ``effective_noise_multiplier``:
-    z/sens under add-or-remove (rounded down), the noise multiplier of the Gaussian mechanism
-    the stream is (per participation, for cyclic Poisson sampling)."""
+    z/sens under zero-out (rounded down), the noise multiplier of the Gaussian mechanism the
+    stream is (per participation, for cyclic Poisson sampling); half of it under add-or-remove
+    (fixed batches) and replace-one."""
 
     stream: str
     declaration: Any
@@ -125,10 +168,16 @@ class StreamAccount:
         classes to use, :mod:`dpcore.accounting` by default)."""
         if acc is None:
             from .. import accounting as acc
-        z = self.effective_noise_multiplier * (1.0 if check_neighboring(neighboring) == "add_or_remove" else 0.5)
+        part = self.declaration.participation
+        if check_neighboring(neighboring) == "add_or_remove" and part.kind == CYCLIC_POISSON:
+            raise ValueError(
+                f"matrix-factorization stream {self.stream} uses cyclic Poisson sampling, which is analysed under "
+                "neighboring='zero_out' only (adding a record moves another to a different group); account it "
+                "under zero_out"
+            )
+        z = self.effective_noise_multiplier * (1.0 if neighboring == "zero_out" else 0.5)
         if z == 0.0:
             return acc.NonPrivateEvent()
-        part = self.declaration.participation
         if part.kind == CYCLIC_POISSON:
             return acc.SelfComposedEvent(acc.PoissonSampledEvent(part.sampling_probability, acc.GaussianEvent(z)), self.participations)
         return acc.GaussianEvent(z)
@@ -193,7 +242,7 @@ def samples_to_event(
     from .. import accounting as acc
 
     check_neighboring(neighboring)
-    scale = 1.0 if neighboring == "add_or_remove" else 0.5
+    half = neighboring != "zero_out"  # a step of a batch that a record's removal shifts: a swap, 2C
     events: List[Any] = []
     shuffled = cyclic = seeded = 0
 
@@ -203,20 +252,33 @@ def samples_to_event(
         else:
             events.append([ev, count])
 
-    # The allocation round being read: [first sample, smallest z, non-private, discrete].
+    def gaussian(z: float, discrete: bool) -> Any:
+        return acc.DiscreteGaussianEvent(z) if discrete else acc.GaussianEvent(z)
+
+    # The round being read: [first sample, smallest z, non-private, discrete, released steps].
     open_round: List[Any] = []
 
     def close_round() -> None:
         if not open_round:
             return
-        first, z_min, non_private, discrete = open_round
+        first, z_min, non_private, discrete, m = open_round
         open_round.clear()
         if non_private or z_min == 0.0:
             add(acc.NonPrivateEvent(), 1)
             return
         if math.isinf(z_min):
             return  # only steps of matrix-factorization streams (refused on these policies anyway)
-        base = acc.DiscreteGaussianEvent(z_min) if discrete else acc.GaussianEvent(z_min)
+        if first.policy in EPOCH_POLICIES:
+            if neighboring == "zero_out":
+                add(gaussian(z_min, discrete), 1)
+            elif neighboring == "replace_one":
+                add(gaussian(z_min / 2.0, discrete), 1)
+            elif first.policy == SHUFFLE and first.round_steps >= 5:
+                add(gaussian(z_min / math.sqrt(5.0), discrete), 1)
+            else:
+                add(gaussian(z_min / 2.0, discrete), m)
+            return
+        base = gaussian(z_min, discrete)
         if first.policy == BALLS_IN_BINS:
             add(acc.BallsInBinsSampledEvent(first.round_steps, base), 1)
         else:
@@ -227,17 +289,20 @@ def samples_to_event(
             continue
         seeded += s.seeded * count
         if s.allocation:
-            if neighboring != "add_or_remove":
+            if s.policy in ALLOCATION_POLICIES and neighboring == "replace_one":
                 raise ValueError(_ALLOCATION_REPLACE_ONE.format(path=path, policy=s.policy))
-            if open_round and open_round[0].round != s.round:
+            if open_round and (open_round[0].round != s.round or open_round[0].policy != s.policy):
                 close_round()
             z = s.noise_multiplier()
             if not open_round:
-                open_round.extend([s, z, s.non_private, s.discrete])
+                open_round.extend([s, z, s.non_private, s.discrete, count])
             else:
                 open_round[1] = min(open_round[1], z)
                 open_round[2] = open_round[2] or s.non_private
                 open_round[3] = open_round[3] or s.discrete
+                open_round[4] += count
+            if s.policy in EPOCH_POLICIES:
+                shuffled += count
             # A run of one sample each (a round's steps differ in step_in_round), but a run of
             # several would be several steps of the same round: nothing more to add.
             continue
@@ -245,35 +310,42 @@ def samples_to_event(
         z = s.noise_multiplier()
         if math.isinf(z):
             continue  # every query on it is a step of a matrix-factorization stream
-        z *= scale
         # A sample with any discrete Gaussian query is one discrete Gaussian mechanism with the
         # z of Eq. (1): Gaussian groups beside it have the same Rényi curve α/(2z_g²), so the
         # product's curve is α/(2z²) either way (CKS 2020, Theorem 14).
-        base = acc.DiscreteGaussianEvent(z) if s.discrete else acc.GaussianEvent(z) if z else None
         if z == 0.0:
             ev: Any = acc.NonPrivateEvent()
-        elif s.policy == POISSON:
-            ev = acc.PoissonSampledEvent(s.sampling_probability, base)
-        elif s.policy == FIXED_SIZE:
-            ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, base)
-        elif s.policy == TRUNCATED_POISSON:
-            ev = acc.TruncatedPoissonSampledEvent(s.sampling_probability, s.sample_size, s.population_size, base)
+        elif s.policy in (POISSON, FIXED_SIZE, TRUNCATED_POISSON):
+            zs = z * (0.5 if neighboring == "replace_one" else 1.0)
+            base = gaussian(zs, s.discrete)
+            if s.policy == POISSON or neighboring == "zero_out":
+                # zero-out: the zeroed record is in the sample with probability q (b/n without
+                # replacement; at most q under the cap) and contributes what a removed one would
+                ev = acc.PoissonSampledEvent(s.sampling_probability, base)
+            elif s.policy == FIXED_SIZE:
+                ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, base)
+            else:
+                ev = acc.TruncatedPoissonSampledEvent(s.sampling_probability, s.sample_size, s.population_size, base)
         else:
-            if s.policy == SHUFFLE:
+            if s.policy in EPOCH_POLICIES:
                 shuffled += count
             else:
                 cyclic += count
-            ev = base
+            # without its epoch, a step alone: C under zero-out, a swap (2C) otherwise
+            ev = gaussian(z / 2.0 if half else z, s.discrete)
         add(ev, count)
     close_round()
     for stream in account_streams(samples, path):
-        add(stream.event(neighboring, acc), 1)
+        try:
+            add(stream.event(neighboring, acc), 1)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     if shuffled:
         warnings.warn(
-            f"{path}: {shuffled} sample(s) used the shuffle policy; they are accounted without "
-            "sampling amplification (each as a full Gaussian query on the whole data set), because a "
-            "shuffled epoch is not a random sample and has no tight analysis (McMahan et al. 2018, §5). "
-            "Use poisson sampling to get amplification.",
+            f"{path}: {shuffled} sample(s) are batches of a shuffled or fixed-order loader; they get no sampling "
+            "amplification (a shuffled epoch is not a random sample: McMahan et al. 2018, §5): each epoch is one "
+            f"Gaussian query (accounted under neighboring={neighboring!r}, with the number of steps per epoch treated "
+            "as public). Use Poisson sampling to get amplification.",
             LedgerWarning,
             stacklevel=stacklevel,
         )
@@ -312,6 +384,8 @@ def rdp_relation_error(samples: Sequence[LedgerSample], path: str, neighboring: 
     ledger is accounted under one relation.
     """
     policies = {s.policy for s, _ in _runs(samples) if s.released and s.noise_multiplier() > 0}
+    if neighboring == "zero_out":
+        return None  # every policy's zero-out event is an add-or-remove one (samples_to_event)
     if neighboring == "replace_one":
         for p in ALLOCATION_POLICIES:
             if p in policies:

@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._events import StreamAccount, account_streams, samples_to_event
+from ._events import StreamAccount, account_streams, analysis_relation, samples_to_event
 from ._storage import CYCLIC_POISSON, LedgerWarning, SampleLog
 
 __all__ = ["PrivacyReport", "build_report", "epsilon_curve"]
@@ -32,11 +32,16 @@ SETTING = "central"
 TRUST_MODEL = "trusted aggregator: the process that holds the records clips them and adds the noise"
 NEIGHBORING_TEXT = {
     "add_or_remove": "add or remove one {unit}: neighbouring datasets differ by the records of one {unit}",
+    "zero_out": "zero out one {unit}: neighbouring datasets have the same number of records, and in one of them the "
+                "records of one {unit} are replaced by records that contribute nothing (zero gradient); the number of "
+                "records is public",
     "replace_one": "replace one {unit} by another",
 }
 ASSUMPTIONS = (
-    "Samples recorded with the shuffle policy are accounted without sampling amplification (each as a "
-    "Gaussian query over the whole dataset).",
+    "Samples recorded with the shuffle or sequential policy (and queries on cyclic batches outside a "
+    "matrix-factorization stream) get no sampling amplification: each record is in one batch an epoch, and an "
+    "epoch is one Gaussian query, its sensitivity that of the neighbouring relation; the number of steps an epoch "
+    "(which depends on the number of records) is treated as public.",
     "Samples drawn with a test seed void the guarantee: a seeded sample is predictable, so the "
     "amplification counted for it does not hold.",
     "Hyperparameter tuning is not included: runs made to choose the hyperparameters cost privacy too, "
@@ -249,7 +254,7 @@ def _segments(log: SampleLog) -> List[Dict[str, Any]]:
     return segs
 
 
-def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove", accountant: str = "pld") -> PrivacyReport:
+def build_report(ledger: Any, delta: float, *, neighboring: Optional[str] = None, accountant: str = "pld") -> PrivacyReport:
     """The report of ``ledger`` (a :class:`dpcore.PrivacyLedger`) at ``delta``; ε is exactly
     ``ledger.get_epsilon(delta, accountant, neighboring=...)``, with the PLD lower bound and
     the RDP value beside it."""
@@ -258,6 +263,7 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
     from ..accounting.base import check_delta
 
     delta = check_delta(delta)
+    neighboring = ledger._relation(neighboring)
     notes: List[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -309,7 +315,7 @@ def build_report(ledger: Any, delta: float, *, neighboring: str = "add_or_remove
     path = ledger.path
     sha = file_sha256(path) if os.path.isfile(path) else ""
     samplers = sampler_summary(segs)
-    suggestion = shuffle_suggestion(segs, delta, eps) if neighboring == "add_or_remove" else None
+    suggestion = shuffle_suggestion(segs, delta, eps, neighboring) if neighboring != "replace_one" else None
     return PrivacyReport(
         epsilon=eps,
         delta=delta,
@@ -363,9 +369,14 @@ POLICY_TEXT = {
         "SampledWithoutReplacementEvent per step (RDP)",
     ),
     "shuffle": (
-        "batches of a shuffled (or fixed) order: not a random sample",
+        "batches of a fresh permutation every epoch: not a random sample",
         "none",
-        "GaussianEvent per step: a full Gaussian query on the data set",
+        "GaussianEvent per epoch (zero-out: C; add-or-remove: √5·C, or 2C per step under 5 steps an epoch)",
+    ),
+    "sequential": (
+        "batches of the records in a fixed order",
+        "none",
+        "GaussianEvent per epoch (zero-out: C) or per step (add-or-remove: 2C, a record shifts every later batch)",
     ),
     "cyclic": (
         "fixed batches cut once, visited cyclically (matrix-factorization streams)",
@@ -394,7 +405,9 @@ def sampler_summary(segments: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def shuffle_suggestion(segments: Sequence[Dict[str, Any]], delta: float, epsilon: float) -> Optional[str]:
+def shuffle_suggestion(
+    segments: Sequence[Dict[str, Any]], delta: float, epsilon: float, neighboring: str = "zero_out"
+) -> Optional[str]:
     """For a ledger whose private steps include shuffled batches (accounted without
     amplification): the samplers that keep the batch shape and do get amplification, with the ε
     the same steps would have had under them (same population, noise and expected batch size);
@@ -402,7 +415,7 @@ def shuffle_suggestion(segments: Sequence[Dict[str, Any]], delta: float, epsilon
     ledger is accounted as recorded."""
     from .. import accounting as acc
 
-    shuffled = [s for s in segments if s["policy"] == "shuffle" and s["releases"]]
+    shuffled = [s for s in segments if s["policy"] in ("shuffle", "sequential") and s["releases"]]
     if not shuffled or not math.isfinite(epsilon):
         return None
     if any(s["effective_noise_multiplier"] in (None, 0.0) or not s["sample_size"] for s in shuffled):
@@ -410,10 +423,13 @@ def shuffle_suggestion(segments: Sequence[Dict[str, Any]], delta: float, epsilon
 
     def other(s: Dict[str, Any], kind: str) -> Any:
         n, b, z = s["population_size"], s["sample_size"], s["effective_noise_multiplier"]
+        if kind in ("shuffle", "sequential"):
+            return acc.sampler_event(kind, z, s["releases"], sampling_probability=min(1.0, b / n), neighboring=neighboring)
         if kind == "poisson":
-            return acc.sampler_event("poisson", z, s["releases"], sampling_probability=min(1.0, b / n))
+            return acc.sampler_event("poisson", z, s["releases"], sampling_probability=min(1.0, b / n),
+                                     neighboring=neighboring)
         nb = max(1, n // b)
-        return acc.sampler_event("balls_in_bins", z, s["releases"], sampling_probability=1.0 / nb)
+        return acc.sampler_event("balls_in_bins", z, s["releases"], sampling_probability=1.0 / nb, neighboring=neighboring)
 
     # The comparison is made on the shuffled steps alone: that is what switching the sampler
     # changes (the rest of the ledger would be accounted as recorded).
@@ -421,15 +437,17 @@ def shuffle_suggestion(segments: Sequence[Dict[str, Any]], delta: float, epsilon
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return acc.make_accountant(accountant).compose(acc.ComposedEvent(tuple(events))).get_epsilon(delta)
+                return acc.make_accountant(accountant, analysis_relation(neighboring)).compose(
+                    acc.ComposedEvent(tuple(events))).get_epsilon(delta)
         except (ValueError, TypeError):
             return None
 
-    alone = eps_of("pld", (acc.SelfComposedEvent(acc.GaussianEvent(s["effective_noise_multiplier"]), s["releases"]) for s in shuffled))
+    # as the segments' epochs would be with ⌈n/b⌉ steps each (the ledger's own ε reads its epochs)
+    alone = eps_of("pld", (other(s, s["policy"]) for s in shuffled))
     bins = eps_of("rdp", (other(s, "balls_in_bins") for s in shuffled))
     poisson = eps_of("pld", (other(s, "poisson") for s in shuffled))
     steps = sum(s["releases"] for s in shuffled)
-    text = f"{steps} step(s) used shuffled batches, which get no amplification"
+    text = f"{steps} step(s) used shuffled or fixed-order batches, which get no amplification"
     text += f": those steps alone cost ε = {_fmt(alone)}." if alone is not None else "."
     options = []
     if bins is not None:
@@ -491,7 +509,7 @@ def epsilon_curve(
     *,
     points: int = 200,
     accountants: Sequence[str] = ("pld", "rdp"),
-    neighboring: str = "add_or_remove",
+    neighboring: Optional[str] = None,
     interval: float = 2e-3,
     progress: Any = None,
 ) -> Dict[str, Any]:
@@ -504,13 +522,14 @@ def epsilon_curve(
     grid's at 10⁵ steps, at a tenth of the cost); ``"final"`` holds each accountant's ε of the
     whole ledger on its default grid, exactly ``ledger.get_epsilon(delta, accountant)``. The prefixes are accounted in parallel threads (the
     accountants run in the core without the GIL). ``progress``: called with the number of
-    values done."""
+    values done. ``neighboring``: None for the run's relation (``ledger.neighboring``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..accounting import make_accountant
     from ..accounting.base import check_accountant, check_delta
 
     delta = check_delta(delta)
+    neighboring = ledger._relation(neighboring)
     for a in accountants:
         check_accountant(a)
     if isinstance(points, bool) or not isinstance(points, int) or points < 1:
@@ -537,7 +556,7 @@ def epsilon_curve(
             warnings.simplefilter("ignore")
             ev = samples_to_event(prefix(t), ledger.path, neighboring)
             kw = {"value_discretization_interval": interval} if name == "pld" and t > 0 else {}
-            acct = make_accountant(name, neighboring, **kw)
+            acct = make_accountant(name, analysis_relation(neighboring), **kw)
             if not acct.supports(ev):
                 return math.nan
             acct.compose(ev)

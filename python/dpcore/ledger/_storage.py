@@ -48,9 +48,18 @@ BALLS_IN_BINS = "balls_in_bins"
 #: k-subset chosen independently (Feldman & Shenfeld 2025, arXiv 2502.08202):
 #: ``sampling_probability`` is k/t.
 RANDOM_ALLOCATION = "random_allocation"
+#: Batches of the records in a fixed order (a DataLoader without shuffle): ``sample_size`` is
+#: the batch size, ``sampling_probability`` batch/population. Told apart from ``shuffle`` (a fresh
+#: permutation every epoch) because adding or removing a record shifts every later batch.
+SEQUENTIAL = "sequential"
 # Appended, never reordered: the core's fast reader numbers the first three policies (and
 # refuses every other one, so that this reader handles them).
-POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, CYCLIC, CYCLIC_POISSON, TRUNCATED_POISSON, BALLS_IN_BINS, RANDOM_ALLOCATION)
+POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, CYCLIC, CYCLIC_POISSON, TRUNCATED_POISSON, BALLS_IN_BINS, RANDOM_ALLOCATION,
+            SEQUENTIAL)
+#: The policies of epochs without amplification: each record in at most one batch of an epoch.
+#: Their samples may carry the epoch as a round (:data:`ROUND_KEYS`, round_selected 1), which the
+#: accountant then reads per epoch; without it (ledgers written before), per step.
+EPOCH_POLICIES = (SHUFFLE, SEQUENTIAL)
 #: The policies whose privacy rests on a round of steps rather than on each step: their sample
 #: entries carry the round (:data:`ROUND_KEYS`), and the accountant reads one event per round.
 ALLOCATION_POLICIES = (BALLS_IN_BINS, RANDOM_ALLOCATION)
@@ -108,8 +117,9 @@ class LedgerSample:
 
     @property
     def allocation(self) -> bool:
-        """Whether the sample is one step of an allocation round (balls-in-bins, random
-        allocation): accounted per round, not per step."""
+        """Whether the sample is one step of a round: an allocation round (balls-in-bins,
+        random allocation) or an epoch of a shuffled or fixed-order loader recorded with its
+        epoch; accounted per round, not per step."""
         return self.round is not None
 
     @property
@@ -191,8 +201,12 @@ def _sample_entry(
     rounds = (round, step_in_round, round_steps, round_selected)
     if policy in ALLOCATION_POLICIES:
         return _allocation_entry(sample, n, sampling_probability, policy, b, seeded, *rounds)
+    if policy in EPOCH_POLICIES and any(v is not None for v in rounds):
+        return _epoch_entry(sample, n, sampling_probability, policy, b, seeded, *rounds)
     if any(v is not None for v in rounds):
-        raise ValueError(f"round, step_in_round, round_steps and round_selected belong to allocation policies, not to {policy}")
+        raise ValueError(
+            f"round, step_in_round, round_steps and round_selected belong to allocation and epoch policies, not to {policy}"
+        )
     if policy == CYCLIC_POISSON:
         # p is the schema's; a realised batch size says nothing about it.
         if sampling_probability is None:
@@ -208,23 +222,23 @@ def _sample_entry(
             raise ValueError("policy truncated_poisson: sample_size (the cap B) must be >= 1")
         q = _prob(sampling_probability)
     else:
-        if sampling_probability is None:
-            if b is None:
-                raise ValueError(f"policy {policy} needs sampling_probability")
-            q = b / n
-        else:
-            q = _prob(sampling_probability)
+        q = _rate(policy, sampling_probability, b, n)
     return LedgerSample(sample, n, q, policy, b, seeded)
 
 
-def _allocation_entry(
-    sample: int, n: int, sampling_probability: Any, policy: str, b: Optional[int], seeded: bool,
-    round: Any, step_in_round: Any, round_steps: Any, round_selected: Any,
-) -> LedgerSample:
-    """A sample of an allocation policy: one step of a round of t steps in which every record
-    takes part in k of them. q is k/t, the rate at which a record takes part in a step."""
+def _rate(policy: str, sampling_probability: Any, b: Optional[int], n: int) -> float:
+    """q as given, else b/n."""
+    if sampling_probability is None:
+        if b is None:
+            raise ValueError(f"policy {policy} needs sampling_probability or sample_size")
+        return b / n
+    return _prob(sampling_probability)
+
+
+def _round_keys(what: str, round: Any, step_in_round: Any, round_steps: Any, round_selected: Any) -> Tuple[int, int, int, int]:
+    """(round, step in it, t, k), checked: all given, k ≤ t, the step < t."""
     if any(v is None for v in (round, step_in_round, round_steps, round_selected)):
-        raise ValueError(f"policy {policy} needs round, step_in_round, round_steps and round_selected")
+        raise ValueError(f"{what} needs round, step_in_round, round_steps and round_selected")
     r = _int("round", round, 0)
     t = _int("round_steps", round_steps, 1)
     k = _int("round_selected", round_selected, 1)
@@ -233,6 +247,16 @@ def _allocation_entry(
         raise ValueError(f"round_selected must be <= round_steps = {t}, got {k}")
     if s >= t:
         raise ValueError(f"step_in_round must be < round_steps = {t}, got {s}")
+    return r, s, t, k
+
+
+def _allocation_entry(
+    sample: int, n: int, sampling_probability: Any, policy: str, b: Optional[int], seeded: bool,
+    round: Any, step_in_round: Any, round_steps: Any, round_selected: Any,
+) -> LedgerSample:
+    """A sample of an allocation policy: one step of a round of t steps in which every record
+    takes part in k of them. q is k/t, the rate at which a record takes part in a step."""
+    r, s, t, k = _round_keys(f"policy {policy}", round, step_in_round, round_steps, round_selected)
     if policy == BALLS_IN_BINS and k != 1:
         raise ValueError(f"policy balls_in_bins puts every record in one step of the epoch: round_selected must be 1, got {k}")
     if b is not None:
@@ -241,6 +265,20 @@ def _allocation_entry(
     if sampling_probability is not None and _prob(sampling_probability) != q:
         raise ValueError(f"sampling_probability {sampling_probability} differs from round_selected/round_steps = {q}")
     return LedgerSample(sample, n, q, policy, None, seeded, round=r, step_in_round=s, round_steps=t, round_selected=k)
+
+
+def _epoch_entry(
+    sample: int, n: int, sampling_probability: Any, policy: str, b: Optional[int], seeded: bool,
+    round: Any, step_in_round: Any, round_steps: Any, round_selected: Any,
+) -> LedgerSample:
+    """A batch of an epoch of a shuffled or fixed-order loader, with its epoch as a round: the
+    round's index, the batch's index in the epoch, the epoch's t batches and k = 1 (each record
+    in at most one batch of the epoch). A resumed epoch is a new round (its order is a new one)."""
+    r, s, t, k = _round_keys(f"policy {policy} with an epoch", round, step_in_round, round_steps, round_selected)
+    if k != 1:
+        raise ValueError(f"policy {policy}: every record is in at most one batch of an epoch, round_selected must be 1, got {k}")
+    q = _rate(policy, sampling_probability, b, n)
+    return LedgerSample(sample, n, q, policy, b, seeded, round=r, step_in_round=s, round_steps=t, round_selected=k)
 
 
 def check_round(prev: Optional[LedgerSample], last_round: Optional[int], s: LedgerSample) -> Optional[str]:
@@ -522,7 +560,7 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
     kind = obj.get("type")
     try:
         if kind == "sample":
-            allocation = obj.get("policy") in ALLOCATION_POLICIES
+            allocation = obj.get("policy") in ALLOCATION_POLICIES or (obj.get("policy") in EPOCH_POLICIES and "round" in obj)
             _expect_keys(obj, _SAMPLE_KEYS + ROUND_KEYS if allocation else _SAMPLE_KEYS, lineno, path)
             sid = _int("sample", obj["sample"], 0)
             if sid != len(c.samples):

@@ -22,8 +22,13 @@ With it, the privacy of an MF mechanism does not depend on the strategy at all:
   then the largest column norm ‖C[:, 0]‖.
 
 The strategy still matters for utility (how much of the noise σ·C⁻¹z remains in the model) and
-for σ, not for ε at a given z. Everything here uses the add-or-remove (zero-out) relation: a
-record's contributions are replaced by zero, so its sensitivity is S as recorded.
+for σ, not for ε at a given z. Everything here is stated under the **zero-out** relation (the
+MF papers' adjacency, jax_privacy's for equal-split partitions): a record's contributions are
+replaced by zero and the number of records is public, so its sensitivity is S as recorded. It
+is not the add-or-remove relation: adding a record to the permutation the fixed batches are cut
+from changes the cut. Under add-or-remove the ledger accounts fixed batches at 2S per
+participation (a coupling in which one batch changes by a swap, the number of batches ⌊n/b⌋
+public) and refuses cyclic Poisson sampling (:mod:`dpcore.ledger._events`).
 
 The ledger accounts what actually ran with the same events (:func:`accountant_event`), but from
 the recorded stddevs and clip norms and a sensitivity it recomputes for the number of steps run.
@@ -218,7 +223,8 @@ def epsilon(
     accountant: str = "pld",
 ) -> float:
     """ε at ``delta`` of ``steps`` steps of an MF mechanism at *effective* noise multiplier z
-    (σ = z·S·sens, :func:`stddev_for`), under the add-or-remove (zero-out) relation.
+    (σ = z·S·sens, :func:`stddev_for`), under the zero-out relation (the module docs; under
+    add-or-remove, fixed batches cost what z/2 costs here, via the ledger).
 
     Cyclic fixed batches: the Gaussian mechanism's ε at z (PLD: the analytic Gaussian of Balle &
     Wang 2018, exact and rounded up; RDP: α/(2z²) converted). Cyclic Poisson sampling: ⌈steps/b⌉

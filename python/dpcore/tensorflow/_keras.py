@@ -333,7 +333,10 @@ class DPModel(keras.Model):
                 raise ValueError("fit() got no training record")
             if a["batch_size"] is None:
                 a["batch_size"] = max(1, round(self.expected_batch_size))
-            sampling = _Sampling(n, min(1.0, a["batch_size"] / n), "shuffle")
+            # fit(shuffle=False) keeps the order: recorded as such (each step then at 2C under
+            # add-or-remove; per step either way, without the epoch)
+            policy = "shuffle" if a.get("shuffle", True) else "sequential"
+            sampling = _Sampling(n, min(1.0, a["batch_size"] / n), policy, sample_size=min(int(a["batch_size"]), n))
             self._warn_shuffle("arrays with batch_size")
         object.__setattr__(self, "_sampling", sampling)
         src = sampling.source
@@ -434,7 +437,8 @@ class DPModel(keras.Model):
     def _warn_shuffle(self, what: str) -> None:
         warnings.warn(
             f"DPModel.fit on {what}: the batches are not Poisson samples, so each release is recorded with "
-            "policy 'shuffle' and accounted without sampling amplification (McMahan et al. 2018, §5). "
+            "policy 'shuffle' (or 'sequential' with shuffle=False) and accounted without sampling amplification, "
+            "one Gaussian query per step (McMahan et al. 2018, §5). "
             "Use dpcore.tensorflow.PoissonBatches for amplified accounting.",
             LedgerWarning,
             stacklevel=3,

@@ -48,7 +48,7 @@ from ._data import DPDataLoader
 from ._samplers import SamplerDataLoader, refuse_distributed
 from ._distributed import DistributedError, current_communicator, resolve_ledger
 from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin, replace_batchnorm
-from ._rules import LayerRule, register_layer
+from ._rules import EmbeddingRule, LayerRule, register_layer
 from ._optimizer import DPOptimizer, OverflowSkipWarning, PlannedStepsWarning
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "DistributedError",
     "register_layer",
     "LayerRule",
+    "EmbeddingRule",
     "replace_batchnorm",
     "clip_factors",
     "clip_margin",
@@ -302,24 +303,42 @@ def make_private(
 
 
 class _ShuffledLoader:
-    """A plain DataLoader whose batches are recorded as ``shuffle`` samples (no amplification).
+    """A plain DataLoader whose batches are recorded epoch by epoch, without amplification.
 
-    Each batch is one ledger sample with policy ``shuffle`` over the n records of the dataset,
-    recorded with q = batch_size/n for information only: the accountant gives a shuffled batch
-    no amplification (a full Gaussian query on the whole dataset, with a :class:`LedgerWarning`).
-    The last, shorter batch of an epoch is recorded the same way (its denominator stays the
-    batch size, as every batch's).
+    The policy is the loader's order: ``shuffle`` for a ``RandomSampler`` without replacement (a
+    fresh permutation every epoch, ``DataLoader(shuffle=True)``), ``sequential`` for a
+    ``SequentialSampler`` (``shuffle=False``, the DataLoader's default: the same order every
+    epoch, in which adding or removing a record shifts every later batch). Any other sampler is
+    refused: one that may repeat a record within an epoch has no bound here. Each batch is one
+    ledger sample over the n records, with ``sample_size`` the batch size and q = batch_size/n,
+    carrying its epoch as a round (round_steps = the epoch's batches, round_selected 1), so that
+    the accountant reads one Gaussian query per epoch under zero-out, and √5·C per epoch (shuffle,
+    at least 5 steps) or 2C per step under add-or-remove (:mod:`dpcore.ledger._events`). The
+    last, shorter batch of an epoch is recorded the same way (its denominator stays the batch
+    size, as every batch's).
 
     :meth:`state_dict`/:meth:`load_state_dict` carry the samples drawn and the batches done in
     the current epoch; a resumed iteration skips that many batches of its first epoch (they are
-    loaded and dropped, not recorded). With ``shuffle=True`` the resumed epoch's order differs
-    from the interrupted one's, which the no-amplification accounting does not depend on."""
+    loaded and dropped, not recorded). The resumed epoch is a new round in the ledger: with
+    ``shuffle=True`` its order differs from the interrupted one's, so a record may be in both."""
 
     def __init__(self, data_loader: DataLoader, ledger: PrivacyLedger) -> None:
         bs = data_loader.batch_size
         if bs is None:
             raise ValueError(
                 "poisson_sampling=False needs a DataLoader with a batch_size (the denominator of the average)"
+            )
+        sampler = data_loader.sampler
+        if type(sampler) is torch.utils.data.RandomSampler and not sampler.replacement and sampler._num_samples is None:
+            self.policy = "shuffle"
+        elif type(sampler) is torch.utils.data.SequentialSampler:
+            self.policy = "sequential"
+        else:
+            raise ValueError(
+                f"poisson_sampling=False accounts a DataLoader whose sampler is a RandomSampler without replacement "
+                f"(shuffle=True) or a SequentialSampler (shuffle=False), so that every record is in one batch an epoch; "
+                f"got {type(sampler).__name__}, which may repeat or leave out records. Use Poisson sampling "
+                "(the default) or one of dpcore's samplers (sampler=...)"
             )
         self.data_loader, self.ledger = data_loader, ledger
         self.n = len(data_loader.dataset)  # type: ignore[arg-type]
@@ -344,10 +363,16 @@ class _ShuffledLoader:
         total = len(self.data_loader)
         skip = 0 if start is None or start >= total else start
         self._epoch_done = skip
+        epoch = None  # the epoch's round in the ledger, fixed at its first recorded batch
         for k, batch in enumerate(self.data_loader):
             if k < skip:
                 continue  # done before the checkpoint
-            self.ledger.record_sample(self.n, self.sampling_probability, "shuffle")
+            if epoch is None:
+                epoch = self.ledger.next_round
+            self.ledger.record_sample(
+                self.n, self.sampling_probability, self.policy, sample_size=min(self.batch_size, self.n),
+                round=epoch, step_in_round=k, round_steps=total, round_selected=1,
+            )
             self.samples_drawn += 1
             self._epoch_done += 1
             self._resume_at = None
@@ -534,13 +559,14 @@ def make_private_with_epsilon(
 
 
 def _calibrated_shuffle_noise(target_epsilon: Any, target_delta: Any, epochs: Any, batches: int, accountant: Any) -> float:
-    """σ for ``epochs`` × ``batches`` shuffled batches, each accounted as a Gaussian query on the
-    whole data set (no amplification): the Poisson calibration at q = 1."""
+    """σ for ``epochs`` epochs of a shuffled or fixed-order loader as the ledger states them by
+    default (zero-out, :mod:`dpcore.ledger._events`): each epoch one Gaussian query of
+    sensitivity C, no amplification; the Poisson calibration at q = 1 over ``epochs`` steps.
+    (``batches`` per epoch do not change it: a record is in one of them.)"""
     from .. import accounting
 
-    steps = count("epochs", epochs, 1) * max(1, int(batches))
     return accounting.calibrate_noise_multiplier(
-        target_epsilon, target_delta, 1.0, steps, accountant="pld" if accountant is None else accountant
+        target_epsilon, target_delta, 1.0, count("epochs", epochs, 1), accountant="pld" if accountant is None else accountant
     )
 
 

@@ -125,7 +125,8 @@ class DPRun:
                 self.ledger.record_sample(self.n, self.sampling_probability, "poisson", seeded=self.seed is not None)
             else:
                 # q = L/n for information only: a shuffled batch gets no amplification
-                self.ledger.record_sample(self.n, self.sampling_probability, "shuffle")
+                self.ledger.record_sample(self.n, self.sampling_probability, "shuffle",
+                                          sample_size=min(self.logical_batch_size, self.n))
             self.samples_drawn += 1
             self._current = [tag.serial, 1, tag.chunks, tag.size]
         else:
