@@ -161,6 +161,13 @@ class PerRecordGradients:
             if cls is not None and cls.claims_children:
                 own = {n: p for n, p in m.named_parameters() if id(p) in wanted}
                 claimed.update(id(s) for s in m.modules())
+            elif cls is not None and getattr(cls, "claims", ()):
+                # a rule that owns its own parameters and those of the named submodules only
+                own = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in wanted}
+                for c in cls.claims:
+                    sub = m.get_submodule(c)
+                    own.update({f"{c}.{n}": p for n, p in sub.named_parameters() if id(p) in wanted})
+                    claimed.update(id(x) for x in sub.modules())
             else:
                 own = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in wanted}
             if not own:

@@ -25,6 +25,7 @@ Built-in rules (dispatch by module type, :func:`register_layer`, as Opacus's ``g
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -289,7 +290,10 @@ class LayerRule:
             return self._orig(*args, **kwargs)
         self._fwd_task = _graph_task()
         a = args[0] if args else None
-        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+        if isinstance(a, torch.Tensor) and a.dim() >= 2 and self.engine.batch_hint == 0:
+            # The batch's record count is the first instrumented layer's in each forward pass
+            # (the model's own input): a later layer's input with another leading size (a
+            # table looked up by shared positions) must not redefine it.
             n = a.shape[0] if (self.engine.batch_first or a.dim() < 3) else a.shape[1]
             if n > 1:
                 self.engine.batch_hint = int(n)
@@ -408,6 +412,14 @@ class TransposedLinearRule(LayerRule):
 
 
 class EmbeddingRule(LayerRule):
+    """``nn.Embedding``: each record's gradient is the rows it looked up. Public as the base of
+    rules for embedding-like lookups: subclass it, register it for your module
+    (:func:`register_layer`), and in ``forward`` compute the index your module looks up, then
+    return ``self.lookup(index)`` (records on dim 0; an index with a leading dim of 1 is looked up
+    per record; one with no record axis is refused), transformed as your module transforms it.
+    The module must have the ``nn.Embedding`` attributes (``weight``, ``padding_idx``,
+    ``max_norm``, ...)."""
+
     kind = "embedding"
 
     def __init__(self, *a: Any) -> None:
@@ -420,15 +432,38 @@ class EmbeddingRule(LayerRule):
             )
         if m.sparse:
             raise ValueError(f"layer {self.name!r}: Embedding(sparse=True) is not supported; noise makes every row dense")
+        if self.name.split(".")[-1] == "relative_attention_bias" and not getattr(self, "_hosted", False):
+            raise ValueError(
+                f"layer {self.name!r}: a relative attention bias is looked up by (query, key) positions shared by the "
+                "records, and its module is not one dpcore knows (T5's compute_bias): no per-record gradient of it "
+                "can be formed. Freeze it (requires_grad_(False)) or register a rule for its attention module"
+            )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lookup(idx)
+
+    def lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        """The module's lookup of ``idx`` with each record's rows captured: records on dim 0
+        (dim 1 for sequence-first models). An index shared by the batch (a leading dim of 1, as
+        GPT-2's and BART's position ids) is looked up per record: its output would be broadcast
+        over the records and its gradient summed over them, so each record gets its own copy
+        (the output is the same). An index whose leading dim is neither 1 nor the batch's record
+        count has no record axis: refused, naming the parameter."""
         hint = self.engine.batch_hint
         if self.engine.batch_first and idx.dim() >= 2 and idx.shape[0] == 1 and hint > 1:
-            # One index row shared by the batch (GPT-2's position ids): its output would be
-            # broadcast over the records and its gradient summed over them; looked up per record
-            # instead, each record's rows get that record's gradient (the output is the same).
             idx = idx.expand((hint,) + tuple(idx.shape[1:]))
-        if _seq_first(self, idx, 2):
+        seq = _seq_first(self, idx, 2)
+        lead = idx.shape[1] if seq else (idx.shape[0] if idx.dim() else 1)
+        # (sequence-first models: the hint may be a length, so there the check is not made)
+        if self.engine.batch_first and hint > 0 and idx.dim() >= 2 and lead != hint:
+            raise ValueError(
+                f"layer {self.name!r}: its lookup index has shape {tuple(idx.shape)}, with no axis of the batch's "
+                f"{hint} records: its output is shared by the records, and its gradient arrives summed over them, so no "
+                f"per-record gradient of {self.name}.weight can be formed. Freeze it "
+                f"(model.get_submodule({self.name!r}).weight.requires_grad_(False)) or register a rule for the module "
+                "that uses it (dpcore.torch.register_layer; dpcore.torch.EmbeddingRule.lookup looks up per record)"
+            )
+        if seq:
             return self._lookup(idx.transpose(0, 1)).transpose(0, 1)
         return self._lookup(idx)
 
@@ -442,6 +477,105 @@ class EmbeddingRule(LayerRule):
 
         # The module's weight as it is now: under FSDP2 the gathered one (``w`` is the shard).
         return _EmbeddingFn.apply(idx, m.weight, m, sink)
+
+
+#: Embedding modules whose own (subclass) forward is running under :class:`EmbeddingSubclassRule`:
+#: their ``nn.Embedding.forward`` (the subclass's ``super().forward(...)``) is the rule's lookup.
+_SUBCLASS_LOOKUPS: Dict[int, "EmbeddingSubclassRule"] = {}
+_EMBEDDING_FORWARD = nn.Embedding.forward
+
+
+def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    rule = _SUBCLASS_LOOKUPS.get(id(self))
+    if rule is not None and rule.module is self:
+        return rule.lookup(input)
+    return _EMBEDDING_FORWARD(self, input)
+
+
+class EmbeddingSubclassRule(EmbeddingRule):
+    """An ``nn.Embedding`` subclass with a forward of its own (BART's scaled word embeddings and
+    learned positions, OPT's positions from the attention mask, ...): the subclass's forward runs
+    as written, and its ``super().forward(ids)`` is :meth:`EmbeddingRule.lookup`, per record.
+    Whatever the subclass does around the lookup (offsets, scales, positions) stays its own; a
+    subclass that reads ``self.weight`` directly is refused at the first backward (the engine
+    sees a gradient it did not capture)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if nn.Embedding.forward is not _embedding_forward:
+            nn.Embedding.forward = _embedding_forward  # type: ignore[method-assign]
+        _SUBCLASS_LOOKUPS[id(self.module)] = self
+        try:
+            return self._orig(*args, **kwargs)
+        finally:
+            _SUBCLASS_LOOKUPS.pop(id(self.module), None)
+
+
+class RelativeBiasRule(LayerRule):
+    #: the submodules whose parameters this rule owns (the engine instruments them no further)
+    claims = ("relative_attention_bias",)
+
+    """T5's relative attention bias (T5, mT5, UMT5, LongT5, Switch, Pop2Piano: an attention
+    module with a ``relative_attention_bias`` embedding and ``compute_bias``). The bias is looked
+    up by a (query, key) index with no record axis and broadcast over the batch, so its gradient
+    would arrive summed over the records. While DP capture is active the module's
+    ``compute_bias`` looks the index up once per record instead, (B, q, k) → a bias of shape
+    (B, heads, q, k): the attention adds it to scores of that shape, so the outputs are the same,
+    and each record's gradient reaches its own rows. The rule owns only the bias embedding; the
+    module's projections keep their own rules."""
+
+    kind = "embedding"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        host = self.module
+        if set(self.params) != {"relative_attention_bias.weight"}:
+            raise AssertionError(self.params)
+        sig = inspect.signature(host.compute_bias)
+        names = list(sig.parameters)
+        if names[:2] != ["query_length", "key_length"] or not set(names[2:]) <= {"device", "past_seen_tokens", "cache_position"}:
+            raise ValueError(
+                f"layer {self.name!r}: its compute_bias{sig} is not T5's; its relative_attention_bias cannot be looked "
+                "up per record here: freeze it or register a rule (dpcore.torch.register_layer)"
+            )
+        self._names = names
+        emb = EmbeddingRule.__new__(EmbeddingRule)
+        emb._hosted = True  # type: ignore[attr-defined]
+        emb.__init__(f"{self.name}.relative_attention_bias", host.relative_attention_bias,  # type: ignore[misc]
+                     {"weight": self.params["relative_attention_bias.weight"]}, self.engine)
+        self._emb = emb
+        self._emb.add = self.add  # type: ignore[method-assign]
+
+    def install(self) -> None:
+        super().install()
+        self.module.compute_bias = self._compute_bias  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        super().remove()
+        self.module.__dict__.pop("compute_bias", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig(*args, **kwargs)
+
+    def _compute_bias(self, query_length: int, key_length: int, device: Any = None, *rest: Any, **kw: Any) -> torch.Tensor:
+        host = self.module
+        cls_bias = type(host).compute_bias
+        if not self.active() or self.engine.batch_hint < 1:
+            return cls_bias(host, query_length, key_length, device, *rest, **kw)
+        bound = inspect.signature(cls_bias).bind(host, query_length, key_length, device, *rest, **kw)
+        a = bound.arguments
+        dev = a.get("device") or host.relative_attention_bias.weight.device
+        if a.get("cache_position") is not None:
+            context = a["cache_position"][:, None].to(dev)
+        else:
+            context = torch.arange(query_length, dtype=torch.long, device=dev)[:, None] + int(a.get("past_seen_tokens") or 0)
+        memory = torch.arange(key_length, dtype=torch.long, device=dev)[None, :]
+        bucket = host._relative_position_bucket(
+            memory - context, bidirectional=not host.is_decoder, num_buckets=host.relative_attention_num_buckets,
+            max_distance=host.relative_attention_max_distance,
+        )
+        b = self.engine.batch_hint
+        values = self._emb._lookup(bucket.expand((b,) + tuple(bucket.shape)))  # (B, q, k, heads)
+        return values.permute([0, 3, 1, 2])  # (B, heads, q, k)
 
 
 class ConvRule(LayerRule):
@@ -611,6 +745,83 @@ class NormRule(LayerRule):
                 self.add(Dense(bp, gb.reshape((b,) + tuple(bp.shape))))
 
         return _LayerNormFn.apply(x, shape, anchor_w, anchor_b, m.eps, lsink)
+
+
+class ScaledRMSNormRule(LayerRule):
+    """The RMS norms of Hugging Face models, exactly as each computes itself: ``llama`` (Llama,
+    Mistral, Qwen, Phi-3 and the 140 classes with the same forward: w·(x̂ in float32, cast back
+    to the input's dtype)), ``gemma`` (x̂·(1 + w) in float32, cast back) and ``t5`` (x·rsqrt in the
+    promoted dtype, cast to w's dtype when it is half precision, times w). The normalisation
+    runs first; the scale goes through a tap, so each record's weight gradient is Σ g·x̂ over
+    its positions (the same product the module's own backward forms)."""
+
+    kind = "norm"
+    variant = "llama"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _seq_first(self, x):
+            return self._norm(x.transpose(0, 1)).transpose(0, 1)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
+        wp = self.p("weight")
+        w = m.weight
+        if self.variant == "gemma":
+            xf = x.float()
+            xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            scale = 1.0 + (w if wp is not None else w.detach()).float()
+            return self._scaled(xhat, scale, wp, x.dtype)
+        if self.variant == "t5":
+            var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+            xhat = x * torch.rsqrt(var + eps)
+            if w.dtype in (torch.float16, torch.bfloat16):
+                xhat = xhat.to(w.dtype)
+        else:
+            xf = x.to(torch.float32)
+            xhat = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return self._scaled(xhat, w if wp is not None else w.detach(), wp, None)
+
+    def _scaled(self, xhat: torch.Tensor, scale: torch.Tensor, wp: Any, cast: Any) -> torch.Tensor:
+        if wp is not None:
+            def sink(g: torch.Tensor) -> None:
+                gw = (g.float() * xhat.detach().float())
+                gw = gw.sum(tuple(range(1, gw.dim() - 1))) if gw.dim() > 2 else gw
+                self.add(Dense(wp, gw.reshape((g.shape[0],) + tuple(wp.shape)).to(torch.float32)))
+
+            # the weight's own gradient never forms: the backward hands ∂L/∂(x̂·s) to the sink
+            out = _ScaleFn.apply(xhat, scale, sink)
+        else:
+            out = xhat * scale
+        return out if cast is None else out.to(cast)
+
+
+class _ScaleFn(torch.autograd.Function):
+    """y = x̂·s (s broadcast over the last dim) whose backward hands ∂L/∂y to ``sink`` and
+    returns ∂L/∂x̂ only (the scale's gradient is formed per record by the sink)."""
+
+    @staticmethod
+    def forward(ctx: Any, xhat: torch.Tensor, scale: torch.Tensor, sink: Callable) -> torch.Tensor:
+        s = scale.detach()
+        ctx.save_for_backward(s)
+        ctx.sink = sink
+        return xhat * s
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
+        (s,) = ctx.saved_tensors
+        ctx.sink(g.detach())
+        return (g * s).to(g.dtype) if ctx.needs_input_grad[0] else None, None, None
+
+
+class GemmaRMSNormRule(ScaledRMSNormRule):
+    variant = "gemma"
+
+
+class T5LayerNormRule(ScaledRMSNormRule):
+    variant = "t5"
 
 
 class GenericRule(LayerRule):
@@ -914,10 +1125,45 @@ def register_layer(module_type: type, rule: Any) -> None:
 # Types of optional libraries, matched by qualified name so that they need not be imported.
 _BY_NAME: Dict[str, Type[LayerRule]] = {"transformers.pytorch_utils.Conv1D": TransposedLinearRule}
 
+# Hugging Face norms, recognised by their forward's source (the same code under 140 class names:
+# each model copies Llama's); a class whose forward differs falls back to the generic path.
+_HF_NORM_SOURCES: Dict[str, Type[LayerRule]] = {}
+_SOURCE_RULES: Dict[type, Optional[Type[LayerRule]]] = {}
+
+
+def _hf_norm_sources() -> Dict[str, Type[LayerRule]]:
+    if not _HF_NORM_SOURCES:
+        _HF_NORM_SOURCES["llama"] = ScaledRMSNormRule
+        for mod, cls, rule in (("llama", "LlamaRMSNorm", ScaledRMSNormRule), ("gemma", "GemmaRMSNorm", GemmaRMSNormRule),
+                               ("t5", "T5LayerNorm", T5LayerNormRule)):
+            try:
+                import importlib
+
+                c = getattr(importlib.import_module(f"transformers.models.{mod}.modeling_{mod}"), cls)
+                _HF_NORM_SOURCES[inspect.getsource(c.forward)] = rule
+            except Exception:  # transformers absent or changed: those classes take the generic path
+                pass
+    return _HF_NORM_SOURCES
+
+
+def _rule_by_source(t: type) -> Optional[Type[LayerRule]]:
+    if t in _SOURCE_RULES:
+        return _SOURCE_RULES[t]
+    rule: Optional[Type[LayerRule]] = None
+    if t.__module__.startswith("transformers.") and (t.__name__.endswith("RMSNorm") or t.__name__.endswith("LayerNorm")):
+        try:
+            rule = _hf_norm_sources().get(inspect.getsource(t.forward))
+        except (OSError, TypeError):
+            rule = None
+    _SOURCE_RULES[t] = rule
+    return rule
+
 
 def rule_for(module: nn.Module) -> Optional[Type[LayerRule]]:
     """The registered rule of ``module``'s type, or of the nearest registered base type whose
-    ``forward`` the type inherits unchanged; None when there is none (generic path)."""
+    ``forward`` the type inherits unchanged; an ``nn.Embedding`` subclass with a forward of its
+    own gets :class:`EmbeddingSubclassRule`, Hugging Face's RMS norms their fused rules; None
+    when there is none (generic path)."""
     t = type(module)
     if t in _REGISTRY:
         return _REGISTRY[t]
@@ -927,7 +1173,17 @@ def rule_for(module: nn.Module) -> Optional[Type[LayerRule]]:
     for base in t.__mro__[1:]:
         if base in _REGISTRY and getattr(t, "forward", None) is getattr(base, "forward", None):
             return _REGISTRY[base]
-    return None
+    if _is_relative_bias_host(module):
+        return RelativeBiasRule
+    if isinstance(module, nn.Embedding):
+        return EmbeddingSubclassRule  # a subclass with a forward of its own (plain ones matched above)
+    return _rule_by_source(t)
+
+
+def _is_relative_bias_host(module: nn.Module) -> bool:
+    return (isinstance(getattr(module, "relative_attention_bias", None), nn.Embedding)
+            and callable(getattr(module, "compute_bias", None))
+            and callable(getattr(module, "_relative_position_bucket", None)))
 
 
 for _t, _r in (
