@@ -78,7 +78,7 @@ from _timing import child_result, merge_rounds
 import torch
 from torch import nn
 
-MODELS = ("transformer", "cnn", "lstm", "mlp")
+MODELS = ("transformer", "cnn", "lstm", "mlp", "llama", "llama-lora")
 CONFIGS = ("non-private", "dpcore", "opacus-hooks", "opacus-ghost")
 # Not run by default: the floating-point-safe noise of issue 17 (--configs ... dpcore-discrete).
 EXTRA_CONFIGS = ("dpcore-discrete",)
@@ -95,9 +95,12 @@ DESCRIPTION = {
     "cnn": "4 x (Conv2d 3x3 + GroupNorm + ReLU) 3-32-32-64-64 + Linear(64,10), 32x32x3, batch 64",
     "lstm": "Embedding(5000,128) + LSTM(128, 256, 2 layers) + Linear(256,2), batch 32, length 64",
     "mlp": "MLP 784-1024-256-10 (1.07M parameters), batch 256 (the first torch issue's model)",
+    "llama": "tiny Llama from a config (vocab 8000, hidden 256, 2 layers, 4 heads, 2 KV heads, MLP 688, RMSNorm, "
+             "RoPE, sdpa) + mean-pooled Linear(256,2), full fine-tuning, batch 32, length 128",
+    "llama-lora": "the same tiny Llama with peft LoRA r=8 on q_proj and v_proj (only the adapters and the head train)",
 }
 # dpcore's targets: step time at most this multiple of non-private torch
-TARGET_VS_PLAIN = {"transformer": 1.4, "cnn": 1.5, "lstm": 3.0, "mlp": 1.5}
+TARGET_VS_PLAIN = {"transformer": 1.4, "cnn": 1.5, "lstm": 3.0, "mlp": 1.5, "llama": 1.3, "llama-lora": 1.3}
 # ... and at least this many times faster than Opacus on DPLSTM (the faster of its two modes)
 TARGET_VS_OPACUS = {"lstm": 10.0}
 RESULT = "BENCH-RESULT "
@@ -151,6 +154,29 @@ class LSTM(nn.Module):
         return self.fc(out[:, -1])
 
 
+class Llama(nn.Module):
+    """A tiny Llama (transformers.LlamaModel from a config, no download) with a mean-pooled
+    classification head; ``lora``: peft LoRA r=8 on q_proj and v_proj, the base frozen."""
+
+    def __init__(self, lora: bool = False) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                       attn_implementation="sdpa")
+        body: Any = transformers.LlamaModel(cfg)
+        if lora:
+            import peft
+
+            body = peft.get_peft_model(body, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                             lora_dropout=0.0))
+        self.body, self.head = body, nn.Linear(256, 2)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.body(input_ids=x).last_hidden_state.mean(1))
+
+
 def _build(name: str) -> Tuple[Any, int, Callable[[int], Tuple[Any, Any]]]:
     """(model, batch size B, make_data(n) -> (inputs, labels)), the model initialised from SEED."""
     g = torch.Generator().manual_seed(SEED + 1)
@@ -163,6 +189,9 @@ def _build(name: str) -> Tuple[Any, int, Callable[[int], Tuple[Any, Any]]]:
     elif name == "mlp":
         ctor, b = (lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))), 256
         make = lambda n: (torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
+    elif name in ("llama", "llama-lora"):
+        ctor, b = (lambda: Llama(lora=name == "llama-lora")), 32
+        make = lambda n: (torch.randint(0, 8000, (n, 128), generator=g), torch.randint(0, 2, (n,), generator=g))
     elif name == "lstm":
         ctor, b = LSTM, 32
         make = lambda n: (torch.randint(0, 5000, (n, 64), generator=g), torch.randint(0, 2, (n,), generator=g))
@@ -407,7 +436,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS[:4]),
+                    help="default: the first four; llama and llama-lora by name")
     ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS + BF16_CONFIGS, default=None,
                     help=f"default: {' '.join(CONFIGS)} (and with --bf16 {' '.join(BF16_CONFIGS)}); the bf16 "
                          f"configurations run on {' and '.join(BF16_MODELS)} only")
