@@ -78,7 +78,7 @@ from _timing import child_result, merge_rounds
 import torch
 from torch import nn
 
-MODELS = ("transformer", "cnn", "lstm", "mlp", "llama", "llama-lora")
+MODELS = ("transformer", "cnn", "lstm", "mlp", "llama", "llama-lora", "wrn16-4", "resnet18")
 CONFIGS = ("non-private", "dpcore", "opacus-hooks", "opacus-ghost")
 # Not run by default: the floating-point-safe noise of issue 17 (--configs ... dpcore-discrete).
 EXTRA_CONFIGS = ("dpcore-discrete",)
@@ -98,9 +98,12 @@ DESCRIPTION = {
     "llama": "tiny Llama from a config (vocab 8000, hidden 256, 2 layers, 4 heads, 2 KV heads, MLP 688, RMSNorm, "
              "RoPE, sdpa) + mean-pooled Linear(256,2), full fine-tuning, batch 32, length 128",
     "llama-lora": "the same tiny Llama with peft LoRA r=8 on q_proj and v_proj (only the adapters and the head train)",
+    "wrn16-4": "WRN-16-4 with GroupNorm(16) (De et al. 2022's CIFAR-10 model), 32x32x3, batch 64",
+    "resnet18": "ResNet-18 (CIFAR stem: 3x3 conv, no max-pool) with GroupNorm(32), 32x32x3, batch 64",
 }
 # dpcore's targets: step time at most this multiple of non-private torch
-TARGET_VS_PLAIN = {"transformer": 1.4, "cnn": 1.5, "lstm": 3.0, "mlp": 1.5, "llama": 1.3, "llama-lora": 1.3}
+TARGET_VS_PLAIN = {"transformer": 1.4, "cnn": 1.5, "lstm": 3.0, "mlp": 1.5, "llama": 1.3, "llama-lora": 1.3,
+                   "wrn16-4": 1.3, "resnet18": 1.3}
 # ... and at least this many times faster than Opacus on DPLSTM (the faster of its two modes)
 TARGET_VS_OPACUS = {"lstm": 10.0}
 RESULT = "BENCH-RESULT "
@@ -154,6 +157,62 @@ class LSTM(nn.Module):
         return self.fc(out[:, -1])
 
 
+class _Block(nn.Module):
+    """A pre-activation (WRN) or post-activation (ResNet) residual block with GroupNorm; a
+    strided 3x3 conv when it downsamples, a strided 1x1 shortcut when the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int, groups: int, pre: bool) -> None:
+        super().__init__()
+        self.pre = pre
+        self.n1 = nn.GroupNorm(min(groups, cin if pre else cout), cin if pre else cout)
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.n2 = nn.GroupNorm(min(groups, cout), cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.short = None if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride, bias=False)
+
+    def forward(self, x: Any) -> Any:
+        if self.pre:
+            o = torch.relu(self.n1(x))
+            y = self.c1(o)
+            y = self.c2(torch.relu(self.n2(y)))
+            return y + (x if self.short is None else self.short(o))
+        y = torch.relu(self.n1(self.c1(x)))
+        y = self.n2(self.c2(y))
+        return torch.relu(y + (x if self.short is None else self.short(x)))
+
+
+class ResNetGN(nn.Module):
+    """``wrn``: WRN-16-4 (3 groups of 2 pre-activation blocks, widths 64-128-256, GroupNorm 16);
+    else ResNet-18 (4 stages of 2 blocks, 64-128-256-512, GroupNorm 32). Both downsample by
+    strided convolutions, as the CNNs people train do."""
+
+    def __init__(self, wrn: bool) -> None:
+        super().__init__()
+        if wrn:
+            widths, first, groups, pre = [64, 128, 256], 16, 16, True
+        else:
+            widths, first, groups, pre = [64, 128, 256, 512], 64, 32, False
+        self.stem = nn.Conv2d(3, first, 3, 1, 1, bias=False)
+        self.stem_norm = None if pre else nn.GroupNorm(groups, first)
+        blocks, cin = [], first
+        for i, w in enumerate(widths):
+            for j in range(2):
+                blocks.append(_Block(cin, w, 2 if (i > 0 and j == 0) else 1, groups, pre))
+                cin = w
+        self.blocks = nn.Sequential(*blocks)
+        self.out_norm = nn.GroupNorm(groups, cin) if pre else None
+        self.fc = nn.Linear(cin, 10)
+
+    def forward(self, x: Any) -> Any:
+        h = self.stem(x)
+        if self.stem_norm is not None:
+            h = torch.relu(self.stem_norm(h))
+        h = self.blocks(h)
+        if self.out_norm is not None:
+            h = torch.relu(self.out_norm(h))
+        return self.fc(h.mean((2, 3)))
+
+
 class Llama(nn.Module):
     """A tiny Llama (transformers.LlamaModel from a config, no download) with a mean-pooled
     classification head; ``lora``: peft LoRA r=8 on q_proj and v_proj, the base frozen."""
@@ -189,6 +248,9 @@ def _build(name: str) -> Tuple[Any, int, Callable[[int], Tuple[Any, Any]]]:
     elif name == "mlp":
         ctor, b = (lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))), 256
         make = lambda n: (torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
+    elif name in ("wrn16-4", "resnet18"):
+        ctor, b = (lambda: ResNetGN(wrn=name == "wrn16-4")), 64
+        make = lambda n: (torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
     elif name in ("llama", "llama-lora"):
         ctor, b = (lambda: Llama(lora=name == "llama-lora")), 32
         make = lambda n: (torch.randint(0, 8000, (n, 128), generator=g), torch.randint(0, 2, (n,), generator=g))
