@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ._validate import count, integer
+from ._validate import count, integer, positive as _positive
 from .accounting.samplers import DEFAULT_ACCOUNTANTS, SAMPLERS
 
 #: The samplers of :mod:`dpcore.sampling` that the adapters drive through their ``draw()``.
@@ -179,3 +179,18 @@ def calibrate(sampler: Any, target_epsilon: Any, target_delta: Any, steps: int, 
     return calibrate_noise_for(
         lambda z: sampler.accountant_event(z, s), target_epsilon, target_delta, acct, start=start, rel=rel
     )
+
+
+def check_noise_or_target(noise_multiplier: Any, target_epsilon: Any, target_delta: Any, who: str) -> None:
+    """One of ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta``), checked: the
+    same rule for every front end that takes either (``who`` names it in the error)."""
+    if noise_multiplier is not None and target_epsilon is not None:
+        raise ValueError("give noise_multiplier or target_epsilon (with target_delta), not both")
+    if noise_multiplier is None and target_epsilon is None:
+        raise TypeError(f"{who} needs noise_multiplier=, or target_epsilon= and target_delta= to calibrate it")
+    if noise_multiplier is not None:
+        _positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    else:
+        _positive("target_epsilon", target_epsilon)
+        if target_delta is None:
+            raise TypeError("target_epsilon needs target_delta")

@@ -75,6 +75,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from ._validate import positive as _positive
+from ._adapters import check_noise_or_target
 from .ledger import PrivacyLedger
 from .torch import DPOptimizer, make_private, make_private_with_epsilon
 
@@ -233,14 +234,7 @@ class DPCallback(pl.Callback):
         **make_private_kwargs: Any,
     ) -> None:
         super().__init__()
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise TypeError("give noise_multiplier, or target_epsilon with target_delta (one of them)")
-        if noise_multiplier is not None:
-            _positive("noise_multiplier", noise_multiplier, allow_zero=True)
-        else:
-            _positive("target_epsilon", target_epsilon)
-            if target_delta is None:
-                raise TypeError("target_epsilon needs target_delta")
+        check_noise_or_target(noise_multiplier, target_epsilon, target_delta, "DPCallback")
         if max_grad_norm is None and make_private_kwargs.get("query") is None:
             raise TypeError("DPCallback needs max_grad_norm= (the per-record clipping bound C)")
         delta = target_delta if delta is None else delta

@@ -34,6 +34,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from .._adapters import check_noise_or_target
 from .._validate import positive as _positive
 from ..ledger import PrivacyLedger
 from ..torch import DPOptimizer
@@ -94,18 +95,7 @@ def _check_dp_kwargs(
     ledger_ahead: str = "refuse",
 ) -> None:
     """The checks that need neither the model nor the data (run before the Trainer is built)."""
-    if noise_multiplier is not None and target_epsilon is not None:
-        raise ValueError("give noise_multiplier or target_epsilon (with target_delta), not both")
-    if noise_multiplier is None and target_epsilon is None:
-        raise TypeError(
-            "the DP trainer needs noise_multiplier=, or target_epsilon= and target_delta= to calibrate it"
-        )
-    if noise_multiplier is not None:
-        _positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    else:
-        _positive("target_epsilon", target_epsilon)
-        if target_delta is None:
-            raise TypeError("target_epsilon needs target_delta")
+    check_noise_or_target(noise_multiplier, target_epsilon, target_delta, "the DP trainer")
     if target_delta is not None:
         d = _positive("target_delta", target_delta)
         if d >= 1:
