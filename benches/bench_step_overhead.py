@@ -2,7 +2,8 @@
 step by step in alternation, so that the shared machine's drift falls on both alike.
 
 Models (those of ``bench_torch.py``): ``cnn`` (4 x (Conv2d 3x3 + GroupNorm + ReLU), 32x32x3,
-B=64) and ``mlp`` (784-1024-256-10, B=256). For each model two copies start from the same seed:
+B=64) and ``mlp`` (784-1024-256-10, B=256); by name ``wrn16-4`` and ``resnet18`` (GroupNorm,
+strided downsampling, 32x32x3, B=64). For each model two copies start from the same seed:
 ``non-private`` (SGD; zero_grad, forward, loss, backward, step) and ``dpcore``
 (``dpcore.torch.make_private``, noise multiplier 1.0, max grad norm 1.0). Both draw a fixed batch
 of B records from their own loader (a DataLoader over the same 50·B records, in order, with batch
@@ -120,7 +121,8 @@ def _profile(step: Callable[[], None], args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", choices=("cnn", "mlp"), default=["cnn", "mlp"])
+    ap.add_argument("--models", nargs="+", choices=("cnn", "mlp", "wrn16-4", "resnet18"), default=["cnn", "mlp"],
+                    help="wrn16-4 and resnet18: bench_torch.py's GroupNorm ResNets (the CNNs people train)")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)

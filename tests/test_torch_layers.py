@@ -278,6 +278,47 @@ def test_conv_paths_and_fused_norms():
     assert opt.kinds >= {"conv", "norm", "linear"}
 
 
+class DeepConvs(nn.Module):
+    """The deep layers of a ResNet: few positions, many channels, where a conv's per-record
+    gradients are taken as factored im2col products (ghost norms): a strided conv with a bias
+    and padding, a dilated one, a 1×1 shortcut, and a reflect-padded one; and one grouped conv
+    beside them (the folded path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Conv2d(4, 24, 3, stride=2, padding=1)  # 8×8 → 4×4: 16 positions, fan-in 36
+        self.dil = nn.Conv2d(24, 32, 3, padding=2, dilation=2, bias=False)  # 16 positions, fan-in 216
+        self.short = nn.Conv2d(4, 32, 1, stride=2, bias=False)
+        self.refl = nn.Conv2d(32, 32, 3, padding=1, padding_mode="reflect")
+        self.grp = nn.Conv2d(32, 32, 3, padding=1, groups=4)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.down(x))
+        h = torch.relu(self.dil(h) + self.short(x))
+        h = torch.relu(self.grp(torch.relu(self.refl(h))))
+        return self.head(h.mean((2, 3)))
+
+
+def test_deep_convs_through_factored_products():
+    from dpcore.torch._contrib import Factored
+
+    torch.manual_seed(11)
+    model = DeepConvs()
+    x, y = torch.randn(6, 4, 8, 8), torch.randint(0, 3, (6,))
+    opt = check(model, lambda m, i: ce(m(x[i]), y[i]), 6)
+    assert "conv" in opt.kinds
+    # the factored path was taken where positions are few (4·4 ≤ the ghost-norm break-even)
+    eng = PerRecordGradients(model, list(model.parameters()))
+    ce(model(x), y).backward()
+    kinds = {r.name: {type(c).__name__ for c in r.contributions} for r in eng.rules}
+    assert Factored.__name__ in kinds["dil"] and Factored.__name__ in kinds["refl"]
+    assert kinds["short"] == {"Dense"}  # fan-in 4: materialising is cheaper than the Grams
+    assert kinds["grp"] == {"Dense"}
+    eng.clear()
+    eng.remove()
+
+
 # ----------------------------------------------------------------------------- shared parameters
 
 

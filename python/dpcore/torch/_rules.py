@@ -590,6 +590,9 @@ class ConvRule(LayerRule):
     #: Conv2d layers with at most this many weights per output channel (C_in·k·k) form their
     #: per-record gradients from the unfolded input (see _capture).
     UNFOLD_FAN_IN = 64
+    #: Conv2d layers whose unfolded input (B × positions × C_in·k·k) has at most this many
+    #: elements are taken as factored products (see _capture).
+    FACTORED_ELEMENTS = 1 << 25
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -622,10 +625,28 @@ class ConvRule(LayerRule):
             return
         nd = x.dim() - 2
         w = m.weight
+        fan_in = math.prod(w.shape[1:])
+        positions = g[0, 0].numel()
+        if (nd == 2 and m.groups == 1 and g.dtype in (torch.float32, torch.float64)
+                and positions * (fan_in + w.shape[0]) <= fan_in * w.shape[0]
+                and b * positions * fan_in <= self.FACTORED_ELEMENTS):
+            # Few positions and many channels (the deep layers of a ResNet: 4×4 or 8×8 positions,
+            # 256-512 channels): the convolution as the matrix product it is (im2col), each
+            # record's gradient Σ_t g_t a_tᵀ over its output positions t with a_t the unfolded
+            # input patch. As a factored contribution its norms come from Gram matrices (ghost
+            # norms, T²(din + dout) instead of T·din·dout) and the clipped sum from one product
+            # over the batch. Elsewhere unfolding costs more than it saves (im2col of a 32×32
+            # map): the folded convolution below. The unfolded input is bounded.
+            cols = F.unfold(x, tuple(w.shape[2:]), dilation=tuple(m.dilation), padding=tuple(padding),
+                            stride=tuple(m.stride))
+            # (records, positions, features) laid out once, so the norms and the clipped sum read
+            # them without further copies
+            self.add(Factored(wp, cols.transpose(1, 2).contiguous(),
+                              g.reshape(b, g.shape[1], positions).transpose(1, 2).contiguous()))
+            return
         per = torch.empty((b,) + tuple(w.shape), dtype=g.dtype, device=g.device)
         # records in chunks, so that the folded convolution's operands stay moderate
         chunk = max(1, (1 << 26) // max(1, x[0].numel() + g[0].numel()))
-        fan_in = math.prod(w.shape[1:])
         if nd == 2 and m.groups == 1 and fan_in <= self.UNFOLD_FAN_IN and g.dtype in (torch.float32, torch.float64):
             # Few input channels (a first layer on images: 3·3·3 = 27): the grouped convolution
             # with B groups of so few channels runs many times slower than the batch's weight
