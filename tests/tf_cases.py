@@ -218,9 +218,25 @@ def test_fit_on_arrays_records_shuffle_samples():
         dp.fit(x, y, epochs=2, verbose=0)  # batch_size defaults to round(q·n) = 10
     assert led.num_releases == 10
     assert {(s.policy, s.population_size, s.sampling_probability) for s in led.samples} == {("shuffle", 50, 0.2)}
+    # each batch recorded with its epoch: 2 epochs of 5 batches
+    assert [s.round for s in led.samples] == [0] * 5 + [1] * 5
+    assert [s.step_in_round for s in led.samples] == list(range(5)) * 2
+    assert all(s.sample_size == 10 and s.round_steps == 5 for s in led.samples)
     with pytest.warns(dpcore.ledger.LedgerWarning):
         shuffled = dp.get_epsilon(1e-5)
     assert shuffled > dpcore.accounting.epsilon(0.2, 1.0, 10, 1e-5)  # no amplification
+    # zero-out (the run's relation): one Gaussian query per epoch
+    A = dpcore.accounting
+    assert shuffled == pytest.approx(A.PldAccountant().compose(A.SelfComposedEvent(A.GaussianEvent(1.0), 2)).get_epsilon(1e-5))
+    # a fixed order (shuffle=False) is recorded as such: under add-or-remove every step costs a swap
+    led3 = new_ledger()
+    _, dp3 = dp_logreg(led3, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=10.0)
+    with pytest.warns(dpcore.ledger.LedgerWarning):
+        dp3.fit(x, y, epochs=2, verbose=0, shuffle=False)
+    assert {s.policy for s in led3.samples} == {"sequential"}
+    with pytest.warns(dpcore.ledger.LedgerWarning):
+        aor = led3.get_epsilon(1e-5, neighboring="add_or_remove")
+    assert aor == pytest.approx(A.PldAccountant().compose(A.SelfComposedEvent(A.GaussianEvent(0.5), 10)).get_epsilon(1e-5))
     # an opaque source (tf.data) is accepted only when the population is known, as shuffle
     led2 = new_ledger()
     _, dp2 = dp_logreg(led2, noise_multiplier=1.0, max_grad_norm=1.0, population_size=50, sampling_probability=0.1)

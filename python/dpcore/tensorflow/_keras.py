@@ -21,7 +21,7 @@ import os
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -58,6 +58,20 @@ class _Sampling:
     sample_size: Optional[int] = None
     #: The SampledBatches that draws (and records) each step's batch in the train step.
     source: Any = None
+    #: Batches of an epoch of in-memory arrays (⌈n/b⌉): each batch is recorded with its epoch
+    #: as a round, so the accountant reads one query per epoch (None: per step).
+    epoch_steps: Optional[int] = None
+
+
+class _EpochMark(keras.callbacks.Callback):
+    """Tells the DP train step that a Keras epoch (a fresh order of the arrays) begins."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self._dp = model
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        object.__setattr__(self._dp, "_epoch_at", None)
 
 
 class _Spec:
@@ -333,10 +347,17 @@ class DPModel(keras.Model):
                 raise ValueError("fit() got no training record")
             if a["batch_size"] is None:
                 a["batch_size"] = max(1, round(self.expected_batch_size))
-            # fit(shuffle=False) keeps the order: recorded as such (each step then at 2C under
-            # add-or-remove; per step either way, without the epoch)
-            policy = "shuffle" if a.get("shuffle", True) else "sequential"
-            sampling = _Sampling(n, min(1.0, a["batch_size"] / n), policy, sample_size=min(int(a["batch_size"]), n))
+            # fit(shuffle=False) keeps the order, shuffle="batch" keeps each batch's records
+            # together: recorded as sequential (under add-or-remove a record shifts the batches)
+            policy = "shuffle" if a.get("shuffle", True) is True else "sequential"
+            bs = int(a["batch_size"])
+            # an epoch is ⌈n/b⌉ batches, one order of the arrays; with steps_per_epoch the epochs
+            # cut the data elsewhere, so those steps are recorded one by one
+            k = -(-n // bs) if a.get("steps_per_epoch") is None else None
+            sampling = _Sampling(n, min(1.0, bs / n), policy, sample_size=min(bs, n), epoch_steps=k)
+            if k is not None:
+                a["callbacks"] = list(a.get("callbacks") or []) + [_EpochMark(self)]
+                object.__setattr__(self, "_epoch_at", None)
             self._warn_shuffle("arrays with batch_size")
         object.__setattr__(self, "_sampling", sampling)
         src = sampling.source
@@ -563,9 +584,15 @@ class DPModel(keras.Model):
             losses.append(loss)
             preds.append(y_pred)
         if sampling.source is None:
+            rounds: Dict[str, Any] = {}
+            if sampling.epoch_steps is not None:
+                at = getattr(self, "_epoch_at", None)  # (round, batch index) of the last batch
+                at = (self.ledger.next_round, 0) if at is None else (at[0], at[1] + 1)
+                object.__setattr__(self, "_epoch_at", at)
+                rounds = dict(round=at[0], step_in_round=at[1], round_steps=sampling.epoch_steps, round_selected=1)
             self.ledger.record_sample(
                 sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
-                sample_size=sampling.sample_size,
+                sample_size=sampling.sample_size, **rounds,
             )
         result, new_gs, event = q.get_noised_result(state, gs, seed=derive_seed(self._seed, self._releases))
         self.ledger.record_release(event)  # durable before the update (McMahan et al. 2018, §6)
