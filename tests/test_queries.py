@@ -274,6 +274,10 @@ def test_nested_of_nested_and_metrics():
     m = q.derive_metrics(gs)
     assert set(m) == {"ad/l2_norm_clip", "ad/unclipped_fraction"}
     assert len(ev.privacy_tuples()) == 3
+    # a query alone in a NestedQuery keeps its metrics' names (TF Privacy's nested query test)
+    alone = NestedQuery(adaptive)
+    own = adaptive.derive_metrics(adaptive.initial_global_state())
+    assert own and alone.derive_metrics(alone.initial_global_state()) == own
 
 
 def test_nested_structure_errors():

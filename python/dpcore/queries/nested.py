@@ -185,5 +185,7 @@ class NestedQuery(DPQuery):
         out = {}
         for (path, q), gs in zip(self._leaves, g):
             for k, v in q.derive_metrics(gs).items():
-                out[f"{_path_str(path)}/{k}"] = v
+                # a query alone (no structure around it) keeps its metric's own name, as TF
+                # Privacy's NestedQuery does; "<root>" is for error messages only
+                out[f"{_path_str(path)}/{k}" if path else k] = v
         return out
