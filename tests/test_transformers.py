@@ -404,12 +404,27 @@ def test_shuffled_batches_are_recorded_as_shuffle(tmp_path):
     assert led.num_releases == 3 and [s.policy for s in led.samples] == ["shuffle"] * 3
     assert all(s.sample_size == tr.args.per_device_train_batch_size * tr.args.gradient_accumulation_steps
                for s in led.samples)
-    # no amplification, recorded without the epoch: three Gaussian releases on the whole dataset,
-    # under the run's relation (zero-out: the number of records public)
+    # each batch with its epoch (8 batches of 8 of the 64 records): the three steps are one epoch
+    assert [s.round for s in led.samples] == [0, 0, 0] and [s.step_in_round for s in led.samples] == [0, 1, 2]
+    assert all(s.round_steps == 8 for s in led.samples)
+    # no amplification: one Gaussian query for the epoch under the run's relation (zero-out: the
+    # number of records public), each record being in one batch of it
     assert led.neighboring == "zero_out"
-    want = dpcore.accounting.epsilon(sampling_probability=1.0, noise_multiplier=1.0, steps=3, delta=tr.delta)
+    want = dpcore.accounting.epsilon(sampling_probability=1.0, noise_multiplier=1.0, steps=1, delta=tr.delta)
     with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffled or fixed-order loader"):
         assert tr.get_epsilon() == pytest.approx(want, rel=1e-3)
+
+
+def test_shuffled_calibration_counts_epochs(tmp_path):
+    # 10 steps of 8-batch epochs: 2 epochs begun, each one Gaussian query (zero-out): σ is
+    # calibrated for that, and the ledger's ε meets the target without wasting it
+    tr = dp_trainer(tmp_path, dp=dict(poisson_sampling=False, noise_multiplier=None, target_epsilon=3.0,
+                                      target_delta=1e-5), max_steps=10)
+    with pytest.warns(dpcore.ledger.LedgerWarning):
+        tr.train()
+        eps = tr.get_epsilon()
+    assert {s.round for s in tr.ledger.samples} == {0, 1}
+    assert 2.99 < eps <= 3.0
 
 
 def test_bad_arguments(tmp_path):

@@ -83,6 +83,9 @@ class DPRun:
             self.steps_per_epoch = max(1, math.ceil(self.n / self.logical_batch_size))
         self.samples_drawn = 0
         self._current: Optional[List[int]] = None  # [serial, micro-batches seen, chunks, size]
+        #: Shuffled batches: (the epoch's round in the ledger, the epoch) of the permutation being
+        #: trained on; None when an iteration starts (a resumed epoch draws a new permutation).
+        self._epoch_round: Optional[Tuple[int, int]] = None
         # Set by the trainer: the mechanism, the δ of the logged ε, the per-record loss.
         self.noise_multiplier = float("nan")
         self.max_grad_norm: Any = None
@@ -124,9 +127,14 @@ class DPRun:
             if self.poisson:
                 self.ledger.record_sample(self.n, self.sampling_probability, "poisson", seeded=self.seed is not None)
             else:
-                # q = L/n for information only: a shuffled batch gets no amplification
+                # q = L/n for information only: a shuffled batch gets no amplification. Each batch
+                # carries its epoch (one permutation) as a round: one query per epoch under zero-out.
+                epoch, k = divmod(tag.serial, self.steps_per_epoch)
+                if self._epoch_round is None or self._epoch_round[1] != epoch:
+                    self._epoch_round = (self.ledger.next_round, epoch)
                 self.ledger.record_sample(self.n, self.sampling_probability, "shuffle",
-                                          sample_size=min(self.logical_batch_size, self.n))
+                                          sample_size=min(self.logical_batch_size, self.n), round=self._epoch_round[0],
+                                          step_in_round=k, round_steps=self.steps_per_epoch, round_selected=1)
             self.samples_drawn += 1
             self._current = [tag.serial, 1, tag.chunks, tag.size]
         else:
@@ -222,6 +230,7 @@ class TrainerBatches:
         run = self.run
         spe, ga = run.steps_per_epoch, run.accumulation
         epoch, first = divmod(int(self._position()), spe)
+        run._epoch_round = None  # a new iteration: a new permutation, so a new round
         for k in range(first, spe):
             serial = epoch * spe + k
             idx = self._indices(serial, epoch, k)

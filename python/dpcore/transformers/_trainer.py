@@ -199,9 +199,14 @@ class DPTrainerMixin:
         if noise_multiplier is None:
             from ..accounting import calibrate_noise_multiplier
 
-            q_acc = run.sampling_probability if poisson_sampling else 1.0  # shuffled batches: no amplification
+            if poisson_sampling:
+                q_acc, n_acc = run.sampling_probability, max(1, steps)
+            else:
+                # shuffled batches, no amplification: one Gaussian query per epoch begun, as the
+                # ledger states them under the run's relation (zero-out)
+                q_acc, n_acc = 1.0, max(1, -(-steps // run.steps_per_epoch))
             noise_multiplier = calibrate_noise_multiplier(
-                float(target_epsilon), float(target_delta), q_acc, max(1, steps), accountant=accountant  # type: ignore[arg-type]
+                float(target_epsilon), float(target_delta), q_acc, n_acc, accountant=accountant  # type: ignore[arg-type]
             )
         run.noise_multiplier = float(noise_multiplier)
         run.max_grad_norm = max_grad_norm
