@@ -160,7 +160,7 @@ def analysis_relation(neighboring: str) -> str:
     return "replace_one" if neighboring == "replace_one" else "add_or_remove"
 
 
-def steps_per_epoch(sampler: str, sampling_probability: float, steps_per_epoch: Optional[int] = None) -> int:
+def epoch_steps(sampler: str, sampling_probability: float, steps_per_epoch: Optional[int] = None) -> int:
     """k: the steps of one epoch of ``shuffle`` or ``sequential`` (⌈n/b⌉ = ⌈1/q⌉ by default)
     or of one cycle of ``cyclic`` fixed batches (⌊n/b⌋ = ⌊1/q⌋), or the given ``steps_per_epoch``."""
     if steps_per_epoch is not None:
@@ -260,7 +260,7 @@ def sampler_event(
             return SelfComposedEvent(PoissonSampledEvent(q, g), s)
         return SelfComposedEvent(TruncatedPoissonSampledEvent(q, max_batch_size, population_size, g), s)
     if sampler in ("shuffle", "sequential", "cyclic"):
-        k = globals()["steps_per_epoch"](sampler, q, steps_per_epoch)
+        k = epoch_steps(sampler, q, steps_per_epoch)
         return epoch_event(sampler, z, s, -(-s // k), k, rel)
     t = steps_per_round(sampler, q, num_selected)
     rounds = -(-s // t)

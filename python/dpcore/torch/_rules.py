@@ -421,6 +421,8 @@ class EmbeddingRule(LayerRule):
     ``max_norm``, ...)."""
 
     kind = "embedding"
+    #: looked up per record by a host rule (T5's relative bias, :class:`RelativeBiasRule`)
+    hosted = False
 
     def __init__(self, *a: Any) -> None:
         super().__init__(*a)
@@ -432,7 +434,7 @@ class EmbeddingRule(LayerRule):
             )
         if m.sparse:
             raise ValueError(f"layer {self.name!r}: Embedding(sparse=True) is not supported; noise makes every row dense")
-        if self.name.split(".")[-1] == "relative_attention_bias" and not getattr(self, "_hosted", False):
+        if self.name.split(".")[-1] == "relative_attention_bias" and not self.hosted:
             raise ValueError(
                 f"layer {self.name!r}: a relative attention bias is looked up by (query, key) positions shared by the "
                 "records, and its module is not one dpcore knows (T5's compute_bias): no per-record gradient of it "
@@ -510,6 +512,10 @@ class EmbeddingSubclassRule(EmbeddingRule):
             _SUBCLASS_LOOKUPS.pop(id(self.module), None)
 
 
+class _HostedEmbeddingRule(EmbeddingRule):
+    hosted = True
+
+
 class RelativeBiasRule(LayerRule):
     #: the submodules whose parameters this rule owns (the engine instruments them no further)
     claims = ("relative_attention_bias",)
@@ -538,11 +544,8 @@ class RelativeBiasRule(LayerRule):
                 "up per record here: freeze it or register a rule (dpcore.torch.register_layer)"
             )
         self._names = names
-        emb = EmbeddingRule.__new__(EmbeddingRule)
-        emb._hosted = True  # type: ignore[attr-defined]
-        emb.__init__(f"{self.name}.relative_attention_bias", host.relative_attention_bias,  # type: ignore[misc]
-                     {"weight": self.params["relative_attention_bias.weight"]}, self.engine)
-        self._emb = emb
+        self._emb = _HostedEmbeddingRule(f"{self.name}.relative_attention_bias", host.relative_attention_bias,
+                                         {"weight": self.params["relative_attention_bias.weight"]}, self.engine)
         self._emb.add = self.add  # type: ignore[method-assign]
 
     def install(self) -> None:
@@ -806,35 +809,16 @@ class ScaledRMSNormRule(LayerRule):
 
     def _scaled(self, xhat: torch.Tensor, scale: torch.Tensor, wp: Any, cast: Any) -> torch.Tensor:
         if wp is not None:
-            def sink(g: torch.Tensor) -> None:
-                gw = (g.float() * xhat.detach().float())
+            def sink(xh: torch.Tensor, g: torch.Tensor) -> None:
+                gw = g.float() * xh.float()
                 gw = gw.sum(tuple(range(1, gw.dim() - 1))) if gw.dim() > 2 else gw
-                self.add(Dense(wp, gw.reshape((g.shape[0],) + tuple(wp.shape)).to(torch.float32)))
+                self.add(Dense(wp, gw.reshape((g.shape[0],) + tuple(wp.shape))))
 
-            # the weight's own gradient never forms: the backward hands ∂L/∂(x̂·s) to the sink
-            out = _ScaleFn.apply(xhat, scale, sink)
+            # the affine map's tap: the weight's own gradient never forms, the sink gets g·x̂
+            out = _AffineFn.apply(xhat, scale, None, tuple(wp.shape), sink)
         else:
             out = xhat * scale
         return out if cast is None else out.to(cast)
-
-
-class _ScaleFn(torch.autograd.Function):
-    """y = x̂·s (s broadcast over the last dim) whose backward hands ∂L/∂y to ``sink`` and
-    returns ∂L/∂x̂ only (the scale's gradient is formed per record by the sink)."""
-
-    @staticmethod
-    def forward(ctx: Any, xhat: torch.Tensor, scale: torch.Tensor, sink: Callable) -> torch.Tensor:
-        s = scale.detach()
-        ctx.save_for_backward(s)
-        ctx.sink = sink
-        return xhat * s
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        (s,) = ctx.saved_tensors
-        ctx.sink(g.detach())
-        return (g * s).to(g.dtype) if ctx.needs_input_grad[0] else None, None, None
 
 
 class GemmaRMSNormRule(ScaledRMSNormRule):
