@@ -52,6 +52,32 @@ def test_two_steps_an_epoch_add_or_remove_is_above_the_exact_pair():
     assert e >= 51.7
 
 
+@pytest.mark.parametrize("sampler,rel,k,steps", [
+    ("shuffle", "zero_out", 100, 1000), ("shuffle", "add_or_remove", 100, 1000), ("shuffle", "add_or_remove", 3, 30),
+    ("sequential", "add_or_remove", 20, 60), ("sequential", "replace_one", 20, 60), ("cyclic", "add_or_remove", 4, 10),
+])
+def test_epoch_statements_against_dp_accounting(sampler, rel, k, steps):
+    """The same composition of Gaussian mechanisms in dp_accounting: between its optimistic and
+    pessimistic PLDs (ours is a pessimistic bound too: never below the optimistic one)."""
+    dpa = pytest.importorskip("dp_accounting")
+    z = 2.0
+    ev = A.sampler_event(sampler, z, steps, sampling_probability=1.0 / k, neighboring=rel, steps_per_epoch=k)
+    ours = A.PldAccountant().compose(ev).get_epsilon(DELTA)
+    mu = {  # the per-epoch (or per-step) noise multiplier and count the module docs give
+        ("shuffle", "zero_out"): (z, -(-steps // k)), ("shuffle", "add_or_remove"): (z / math.sqrt(5), -(-steps // k))
+        if k >= 5 else (z / 2, steps), ("sequential", "add_or_remove"): (z / 2, steps),
+        ("sequential", "replace_one"): (z / 2, -(-steps // k)), ("cyclic", "add_or_remove"): (z / 2, -(-steps // k)),
+    }[(sampler, rel)]
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    out = []
+    for pessimistic in (True, False):
+        one = pld.from_gaussian_mechanism(mu[0], pessimistic_estimate=pessimistic, value_discretization_interval=1e-4)
+        out.append(one.self_compose(mu[1]).get_epsilon_for_delta(DELTA))
+    assert out[1] < out[0]  # the two estimates bracket the exact value
+    assert ours >= out[1] * (1 - 1e-9) and ours <= out[0] * (1 + 1e-3), (ours, out)
+
+
 def test_epsilon_above_709_is_not_capped():
     # Gaussian mechanisms at μ = 37 and 63 (the 60-digit references are in test_pld_large_eps.py)
     for mu, exact in ((37.0, 841.355), (63.0, 2252.22)):

@@ -52,6 +52,17 @@ def qwen2():
     return transformers.Qwen2ForCausalLM(cfg)
 
 
+def gemma():
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(**_cfg_common(num_key_value_heads=2, head_dim=4), attn_implementation="eager")
+    m = transformers.GemmaForCausalLM(cfg)
+    with torch.no_grad():  # the (1 + w) scales start at w = 0: move them so their gradients are not trivial
+        for mod in m.modules():
+            if type(mod).__name__ == "GemmaRMSNorm":
+                mod.weight.normal_(0.0, 0.3)
+    return m
+
+
 def t5():
     torch.manual_seed(0)
     cfg = transformers.T5Config(vocab_size=V, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
@@ -149,6 +160,24 @@ def test_llama_lora_with_gradient_checkpointing(reentrant):
 
 def test_llama_bf16_autocast():
     compare(llama(), causal_loss(IDS, bf16=True), u=2.0**-8)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gemma_rmsnorm_one_plus_w(bf16):
+    kinds = compare(gemma(), causal_loss(IDS, bf16=bf16), u=2.0**-8 if bf16 else None)
+    assert "norm" in kinds and "generic" not in kinds
+
+
+def test_t5_bf16_autocast():
+    src = torch.randint(1, V, (B, B), generator=torch.Generator().manual_seed(2))
+    tgt = torch.randint(1, V, (B, 7), generator=torch.Generator().manual_seed(3))
+
+    def loss_of(m, i):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(input_ids=src[i], labels=tgt[i]).logits
+        return per_record_mean(logits, tgt[i])
+
+    compare(t5(), loss_of, u=2.0**-8)
 
 
 @pytest.mark.parametrize("src_len,tgt_len", [(B, B), (10, 8), (B, 7)])
