@@ -1,7 +1,7 @@
 //! Bindings of the accountant (rust/accounting). Validation errors map to ValueError naming
 //! the parameter; the work runs without the GIL.
 
-use super::{detached, detached_array};
+use super::common::{detached, detached_array};
 use crate::accounting::{calibration, conversion, default_orders, pld, rdp_poisson, Composition};
 use crate::DpResult;
 use pyo3::prelude::*;
