@@ -55,13 +55,18 @@ def test_layering():
 def test_truncated_poisson_sampled_event():
     inner = ev.GaussianEvent(1.1)
     e = ev.TruncatedPoissonSampledEvent(0.01, 64, 60000, inner)
-    assert (e.sampling_probability, e.max_sample_size, e.population_size, e.event) == (0.01, 64, 60000, inner)
+    assert (e.sampling_probability, e.max_batch_size, e.population_size, e.event) == (0.01, 64, 60000, inner)
     d = json.loads(json.dumps(e.to_dict()))
     assert d == {
-        "type": "TruncatedPoissonSampledEvent", "sampling_probability": 0.01, "max_sample_size": 64,
+        "type": "TruncatedPoissonSampledEvent", "sampling_probability": 0.01, "max_batch_size": 64,
         "population_size": 60000, "event": {"type": "GaussianEvent", "noise_multiplier": 1.1},
     }
     assert ev.event_from_dict(d) == e and hash(ev.event_from_dict(d)) == hash(e)
+    # written before the cap was called max_batch_size: still read; the old attribute warns
+    old_dict = {**{k: v for k, v in d.items() if k != "max_batch_size"}, "max_sample_size": 64}
+    assert ev.event_from_dict(old_dict) == e
+    with pytest.warns(DeprecationWarning, match="max_batch_size"):
+        assert e.max_sample_size == 64
     nested = ev.ComposedEvent((ev.SelfComposedEvent(e, 3), ev.NonPrivateEvent()))
     assert ev.event_from_dict(json.loads(json.dumps(nested.to_dict()))) == nested
     assert ev.TruncatedPoissonSampledEvent(1, 1, 1, inner).sampling_probability == 1.0
@@ -69,11 +74,11 @@ def test_truncated_poisson_sampled_event():
         ((1.5, 64, 100, inner), ValueError, "sampling_probability"),
         ((float("nan"), 64, 100, inner), ValueError, "sampling_probability"),
         (("0.1", 64, 100, inner), TypeError, "sampling_probability"),
-        ((0.1, 0, 100, inner), ValueError, "max_sample_size"),
-        ((0.1, 64.0, 100, inner), TypeError, "max_sample_size"),
-        ((0.1, True, 100, inner), TypeError, "max_sample_size"),
+        ((0.1, 0, 100, inner), ValueError, "max_batch_size"),
+        ((0.1, 64.0, 100, inner), TypeError, "max_batch_size"),
+        ((0.1, True, 100, inner), TypeError, "max_batch_size"),
         ((0.1, 1, 0, inner), ValueError, "population_size"),
-        ((0.1, 101, 100, inner), ValueError, "max_sample_size must be <= population_size"),
+        ((0.1, 101, 100, inner), ValueError, "max_batch_size must be <= population_size"),
         ((0.1, 64, 100, 1.1), TypeError, "event must be an Event"),
     ]
     for args, exc, msg in bad:

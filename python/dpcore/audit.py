@@ -38,7 +38,7 @@ import numpy as np
 from ._validate import count as _int, positive as _positive
 from .ledger import PrivacyLedger
 from .mechanism import clip_noise, clip_sum
-from .queries.base import derive_seed
+from ._seeds import derive_seed
 from .sampling import poisson_sample
 
 __all__ = ["AuditResult", "one_run_audit", "epsilon_lower_bound", "p_value"]

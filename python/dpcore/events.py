@@ -308,6 +308,10 @@ class Event:
         return event_from_dict(d)
 
 
+#: Fields renamed since events were first serialised: (type, field) -> the old key, still read.
+_OLD_KEYS = {("TruncatedPoissonSampledEvent", "max_batch_size"): "max_sample_size"}
+
+
 def event_from_dict(d: Dict[str, Any]) -> Event:
     """Rebuilds an event from :meth:`Event.to_dict`'s output (e.g. after ``json.loads``)."""
     if not isinstance(d, dict) or "type" not in d:
@@ -317,6 +321,9 @@ def event_from_dict(d: Dict[str, Any]) -> Event:
         raise ValueError(f"unknown event type {d['type']!r}")
     kw = {}
     for f in fields(cls):  # type: ignore[arg-type]
+        old = _OLD_KEYS.get((d["type"], f.name))
+        if f.name not in d and old in d:  # written before the field was renamed
+            d = {**d, f.name: d[old]}
         if f.name not in d:
             raise ValueError(f"{d['type']}: missing field {f.name!r}")
         v = d[f.name]
@@ -399,11 +406,11 @@ class SampledWithoutReplacementEvent(Event):
 
 @dataclass(frozen=True)
 class TruncatedPoissonSampledEvent(Event):
-    """``event`` run on a Poisson sample that is capped at ``max_sample_size`` records.
+    """``event`` run on a Poisson sample that is capped at ``max_batch_size`` records.
 
     Each of ``population_size`` records is included independently with probability
-    ``sampling_probability``; when more than ``max_sample_size`` are drawn, a uniformly random
-    subset of ``max_sample_size`` of them is kept. The cap bounds the batch (and so the memory)
+    ``sampling_probability``; when more than ``max_batch_size`` are drawn, a uniformly random
+    subset of ``max_batch_size`` of them is kept. The cap bounds the batch (and so the memory)
     of a step. This is the idea of ``dp_accounting``'s ``TruncatedSubsampledGaussianDpEvent``
     (dataset_size, sampling_probability, truncated_batch_size, noise_multiplier; see
     arXiv:2508.15089), with the mechanism run on the sample kept as an inner ``event`` as in
@@ -412,18 +419,27 @@ class TruncatedPoissonSampledEvent(Event):
     """
 
     sampling_probability: float
-    max_sample_size: int
+    max_batch_size: int
     population_size: int
     event: Event
 
     def __post_init__(self) -> None:
         q = _probability("sampling_probability", self.sampling_probability)
-        b = _count("max_sample_size", self.max_sample_size, 1)
+        b = _count("max_batch_size", self.max_batch_size, 1)
         n = _count("population_size", self.population_size, 1)
         if b > n:
-            raise ValueError(f"max_sample_size must be <= population_size={n}, got {b}")
-        _settle(self, sampling_probability=q, max_sample_size=b, population_size=n)
+            raise ValueError(f"max_batch_size must be <= population_size={n}, got {b}")
+        _settle(self, sampling_probability=q, max_batch_size=b, population_size=n)
         object.__setattr__(self, "population_size", n)
+
+    @property
+    def max_sample_size(self) -> int:
+        """Deprecated: the cap is called ``max_batch_size`` everywhere now."""
+        import warnings
+
+        warnings.warn("TruncatedPoissonSampledEvent.max_sample_size is deprecated; it is called max_batch_size now",
+                      DeprecationWarning, stacklevel=2)
+        return self.max_batch_size
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,7 @@ class StudyReport:
         )
 
     def to_text(self) -> str:
-        from .ledger._report import _fmt
+        from .ledger._report import format_number
 
         unit, d = self.privacy_unit, self.delta
         basis = {
@@ -281,26 +281,26 @@ class StudyReport:
             "composition": "(b) composition of the runs made",
         }[self.epsilon_basis]
         if self.selected_run is not None and self.epsilon_selected_run is not None:
-            final = f"({_fmt(self.epsilon_selected_run)}, {d:g})-DP: `{self.selected_run}` alone (its ledger's ε)"
+            final = f"({format_number(self.epsilon_selected_run)}, {d:g})-DP: `{self.selected_run}` alone (its ledger's ε)"
         else:
             final = (
-                f"no run selected; the largest ε of a single run is {_fmt(max(r.epsilon for r in self.runs))} "
+                f"no run selected; the largest ε of a single run is {format_number(max(r.epsilon for r in self.runs))} "
                 f"at δ = {d:g}"
             )
         if self.epsilon_papernot_steinke is not None and self.distribution is not None:
             ps = (
-                f"({_fmt(self.epsilon_papernot_steinke)}, {d:g})-DP (RDP, order {self.papernot_steinke_order:g}): "
+                f"({format_number(self.epsilon_papernot_steinke)}, {d:g})-DP (RDP, order {self.papernot_steinke_order:g}): "
                 f"the best of K ~ {self.distribution['name']} runs, E[K] = {self.distribution['mean']:g}; "
                 "holds while K and the other runs stay secret"
             )
         else:
             ps = "n/a: " + (self.papernot_steinke_note or "no distribution of K declared")
         comp = (
-            f"({_fmt(self.epsilon_composition)}, {d:g})-DP ({self.composition_accountant}): all {self.num_runs} "
+            f"({format_number(self.epsilon_composition)}, {d:g})-DP ({self.composition_accountant}): all {self.num_runs} "
             "run(s) composed; holds whatever is disclosed"
         )
         rows = [
-            ("Tuning-inclusive guarantee", f"({_fmt(self.epsilon)}, {d:g})-DP at the {unit} level, from {basis}"),
+            ("Tuning-inclusive guarantee", f"({format_number(self.epsilon)}, {d:g})-DP at the {unit} level, from {basis}"),
             ("Final model alone", final),
             ("(a) Papernot & Steinke 2022", ps),
             ("(b) Composition of the runs", comp),
@@ -321,7 +321,7 @@ class StudyReport:
         out += ["", "## Runs", "", "| run | releases | ε alone | accountant | selected | SHA-256 |", "|---|---|---|---|---|---|"]
         for r in self.runs:
             out.append(
-                f"| `{r.path}` | {r.releases} | {_fmt(r.epsilon)} | {r.accountant} | {'yes' if r.selected else ''} | "
+                f"| `{r.path}` | {r.releases} | {format_number(r.epsilon)} | {r.accountant} | {'yes' if r.selected else ''} | "
                 f"`{r.sha256[:16]}…` |"
             )
         out += ["", "## Assumptions", ""] + [f"- {a}" for a in self.assumptions]
@@ -558,7 +558,7 @@ class Study:
         ``accountant`` is that of each run's own ε and of the composition (b): ``"pld"`` (the
         default, RDP where PLD cannot analyse a ledger, as :meth:`dpcore.PrivacyLedger.get_epsilon`)
         or ``"rdp"``. Bound (a) is a Rényi bound."""
-        from . import __version__
+        from ._core import __version__
         from .accounting import make_accountant
         from .accounting.base import check_accountant, check_delta
         from .accounting.rdp import epsilon_from_rdp

@@ -13,22 +13,12 @@ from .base import (
     PrivacyAccountant,
     UnsupportedEventError,
     make_accountant,
+    register_accountant,
 )
 
-from .calibration import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
-from .events import *  # noqa: F401,F403 (the accountant events, ACCOUNTANT_EVENTS)
-from ..events import ACCOUNTANT_EVENTS
-from .interop import from_dp_accounting, to_dp_accounting
+# Importing an implementation registers it in ACCOUNTANTS, under its name: these two imports
+# are what make "pld" and "rdp" valid `accountant=` values everywhere.
 from .pld import PldAccountant
-from .tuning import draw_num_runs, rdp_repeat_and_select
-from .allocation import rdp_random_allocation
-from .samplers import (
-    SAMPLERS,
-    calibrate_sampler_noise,
-    calibrate_sampler_steps,
-    sampler_epsilon,
-    sampler_event,
-)
 from .rdp import (
     DEFAULT_ORDERS,
     OrderRangeWarning,
@@ -38,11 +28,26 @@ from .rdp import (
     rdp_poisson_subsampled_gaussian,
 )
 
+from .calibration import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
+from .events import *  # noqa: F401,F403 (the accountant events, ACCOUNTANT_EVENTS)
+from ..events import ACCOUNTANT_EVENTS
+from .interop import from_dp_accounting, to_dp_accounting
+from .tuning import draw_num_runs, rdp_repeat_and_select
+from .allocation import rdp_random_allocation
+from .samplers import (
+    SAMPLERS,
+    calibrate_sampler_noise,
+    calibrate_sampler_steps,
+    sampler_epsilon,
+    sampler_event,
+)
+
 __all__ = [
     "PrivacyAccountant",
     "PldAccountant",
     "UnsupportedEventError",
     "make_accountant",
+    "register_accountant",
     "ACCOUNTANTS",
     "DEFAULT_ACCOUNTANT",
     *ACCOUNTANT_EVENTS,

@@ -83,6 +83,8 @@ from typing import Any, Tuple
 import numpy as np
 
 from .._validate import count as _count, real as _real
+from ..events import BallsInBinsSampledEvent, DiscreteGaussianEvent
+from .base import UnsupportedEventError
 
 __all__ = ["rdp_random_allocation", "check_allocation_event", "DIRECTIONS"]
 
@@ -174,9 +176,6 @@ def check_allocation_event(event: Any, neighboring: str) -> Any:
     """The :class:`~dpcore.events.RandomAllocationSampledEvent` of a random-allocation or
     balls-in-bins event, once it is one this module analyses under ``neighboring``; raises
     :class:`~dpcore.accounting.UnsupportedEventError` otherwise (the accountant's message)."""
-    from ..events import BallsInBinsSampledEvent, DiscreteGaussianEvent
-    from .base import UnsupportedEventError
-
     ra = event.as_random_allocation() if isinstance(event, BallsInBinsSampledEvent) else event
     if neighboring != "add_or_remove":
         raise UnsupportedEventError(

@@ -17,9 +17,9 @@ import math
 from typing import Callable, Optional, Sequence, Tuple
 
 from .. import _core
+from .._validate import count as _count, probability, real as _real
+from ._params import check_delta, check_orders
 from .base import DEFAULT_ACCOUNTANT, check_accountant
-from .._validate import probability
-from .rdp import _count, _orders, _real
 
 
 def _pld_eps(q: float, z: float, steps: int, delta: float) -> float:
@@ -102,12 +102,9 @@ def _target(eps: float, delta: float, accountant: str, orders) -> Tuple[float, f
     check_accountant(accountant)
     _no_orders(accountant, orders)
     e = _real("target_epsilon", eps)
-    d = _real("target_delta", delta)
     if not e > 0:
         raise ValueError(f"target_epsilon must be > 0, got {e}")
-    if not 0 < d < 1:
-        raise ValueError(f"target_delta must be in (0, 1), got {d}")
-    return e, d
+    return e, check_delta(delta, "target_delta")
 
 
 def _q(q: float) -> float:
@@ -143,7 +140,7 @@ def calibrate_noise_multiplier(
     with CKS 2020 Prop. 12)."""
     e, d = _target(target_epsilon, target_delta, accountant, orders)
     q, t = _q(sampling_probability), _steps(steps)
-    z_rdp = _core.calibrate_noise_multiplier(e, d, q, float(t), _orders(orders).tolist())
+    z_rdp = _core.calibrate_noise_multiplier(e, d, q, float(t), check_orders(orders).tolist())
     if accountant == "rdp" or q == 0.0:
         return z_rdp
     # z_rdp meets the target under PLD too (PLD is tighter); the search steps up if
@@ -164,7 +161,7 @@ def calibrate_sampling_probability(
     down; 1.0 if every q fits) with ε ≤ ``target_epsilon`` under ``accountant``."""
     e, d = _target(target_epsilon, target_delta, accountant, orders)
     z, t = _z(noise_multiplier), _steps(steps)
-    q_rdp = _core.calibrate_sampling_probability(e, d, z, float(t), _orders(orders).tolist())
+    q_rdp = _core.calibrate_sampling_probability(e, d, z, float(t), check_orders(orders).tolist())
     if accountant == "rdp":
         return q_rdp
     if _pld_eps(1.0, z, t, d) <= e:
@@ -188,7 +185,7 @@ def calibrate_steps(
     Prop. 12; PLD: Doroshenko et al. 2022)."""
     e, d = _target(target_epsilon, target_delta, accountant, orders)
     q, z = _q(sampling_probability), _z(noise_multiplier)
-    s_rdp = int(_core.calibrate_steps(e, d, q, z, _orders(orders).tolist()))
+    s_rdp = int(_core.calibrate_steps(e, d, q, z, check_orders(orders).tolist()))
     if accountant == "rdp":
         return s_rdp
     ok = lambda s: _pld_eps(q, z, s, d) <= e  # noqa: E731

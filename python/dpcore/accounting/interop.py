@@ -37,7 +37,7 @@ def to_dp_accounting(event: Event) -> Any:
         if not isinstance(event.event, GaussianEvent):
             raise TypeError("dp_accounting's truncated event holds a Gaussian; the inner event must be GaussianEvent")
         return dpa.TruncatedSubsampledGaussianDpEvent(
-            event.population_size, event.sampling_probability, event.max_sample_size, event.event.noise_multiplier
+            event.population_size, event.sampling_probability, event.max_batch_size, event.event.noise_multiplier
         )
     if isinstance(event, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
         raise TypeError(

@@ -41,15 +41,15 @@ truncated Poisson sampling under replace-one, which no accountant here analyses.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from .. import _core
 from ..events import ComposedEvent, Event, DiscreteGaussianEvent, GaussianEvent, NonPrivateEvent
 from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
 from ..events import RepeatAndSelectEvent
 from ..events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
-from .base import PrivacyAccountant, UnsupportedEventError, check_delta, check_epsilon
-from .rdp import _count, _effective_noise
+from ._params import check_delta, check_epsilon, gaussian_noise_multiplier
+from .base import PrivacyAccountant, UnsupportedEventError, register_accountant
 
 
 def _interval(v: Optional[float]) -> Optional[float]:
@@ -63,6 +63,18 @@ def _interval(v: Optional[float]) -> Optional[float]:
     return v
 
 
+class _Tally:
+    """What composing an event adds to a :class:`PldAccountant`: step counts by group."""
+
+    __slots__ = ("groups", "truncated", "non_private")
+
+    def __init__(self) -> None:
+        self.groups: Dict[Tuple[float, float], int] = {}
+        self.truncated: Dict[Tuple[float, float, int, int], int] = {}
+        self.non_private = False
+
+
+@register_accountant("pld")
 class PldAccountant(PrivacyAccountant):
     """PLD accountant (see the module docstring for the papers and equations).
 
@@ -74,13 +86,11 @@ class PldAccountant(PrivacyAccountant):
     Identical steps are grouped: 10⁶ steps of a few distinct (q, z) cost one FFT power each.
     """
 
-    name = "pld"
-
     def __init__(self, neighboring: str = "add_or_remove", value_discretization_interval: Optional[float] = None) -> None:
         super().__init__(neighboring)
         self._interval = _interval(value_discretization_interval)
         self._groups: Dict[Tuple[float, float], int] = {}
-        # Truncated-Poisson steps by (q, z, max_sample_size, population_size).
+        # Truncated-Poisson steps by (q, z, max_batch_size, population_size).
         self._truncated: Dict[Tuple[float, float, int, int], int] = {}
         self._non_private = False
 
@@ -90,118 +100,91 @@ class PldAccountant(PrivacyAccountant):
 
     # -- events ---------------------------------------------------------------------------
 
-    def _why_not(self, e: Event, depth: int = 0) -> Optional[str]:
-        """None if supported, else a message naming the event and an accountant that can."""
-        if depth > 1000:
-            return "event nests too deeply"
-        if isinstance(e, (SelfComposedEvent,)):
-            return self._why_not(e.event, depth + 1)
-        if isinstance(e, ComposedEvent):
-            for sub in set(e.events):
-                w = self._why_not(sub, depth + 1)
-                if w:
-                    return w
-            return None
-        if isinstance(e, (NonPrivateEvent, GaussianEvent)):
-            return None
-        if isinstance(e, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
-            return (
-                f"PldAccountant cannot analyse {type(e).__name__}: no certified PLD analysis of random allocation "
-                "(balls-in-bins) is implemented; use RdpAccountant (neighboring='add_or_remove'), which bounds its "
-                "Renyi DP (dpcore.accounting.allocation)"
-            )
-        if isinstance(e, RepeatAndSelectEvent):
-            return (
-                f"PldAccountant cannot analyse {type(e).__name__} (hyperparameter tuning: the best of a random number "
-                "of runs): its analysis (Papernot & Steinke 2022) is a Rényi DP bound; use RdpAccountant"
-            )
-        if isinstance(e, DiscreteGaussianEvent) or isinstance(getattr(e, "event", None), DiscreteGaussianEvent):
-            return (
-                "PldAccountant cannot analyse the discrete Gaussian mechanism: its privacy loss distribution is not "
-                "the continuous Gaussian's, and only its Rényi bound is established (Canonne, Kamath & Steinke 2020, "
-                "Theorem 14); use RdpAccountant"
-            )
-        if isinstance(e, PoissonSampledEvent):
-            if isinstance(e.event, NonPrivateEvent):
-                return None
-            if _effective_noise(e.event) is None:
-                return f"PldAccountant: the event inside PoissonSampledEvent must be Gaussian, got {e.event!r}"
-            if self.neighboring != "add_or_remove" and e.sampling_probability < 1.0:
-                return (
-                    f"PldAccountant cannot analyse {e!r} under neighboring='replace_one': Poisson sampling is "
-                    "analysed under 'add_or_remove' (PldAccountant() or RdpAccountant())"
-                )
-            return None
-        if isinstance(e, SampledWithoutReplacementEvent):
-            return (
-                f"PldAccountant cannot analyse {e!r}: no PLD analysis of fixed-size sampling without replacement is "
-                "known to be sound under composition; use RdpAccountant(neighboring='replace_one')"
-            )
-        if isinstance(e, TruncatedPoissonSampledEvent):
-            if isinstance(e.event, NonPrivateEvent):
-                return None
-            if _effective_noise(e.event) is None:
-                return f"PldAccountant: the event inside TruncatedPoissonSampledEvent must be Gaussian, got {e.event!r}"
-            if self.neighboring != "add_or_remove":
-                return (
-                    f"PldAccountant cannot analyse {e!r} under neighboring='replace_one': truncated Poisson sampling "
-                    "is analysed under 'add_or_remove' (PldAccountant())"
-                )
-            return None
-        return f"PldAccountant cannot analyse {type(e).__name__}"
+    def _tally(self, event: Event, count: int) -> _Tally:
+        t = _Tally()
+        self._walk(event, count, t, 0)
+        return t
 
-    def supports(self, event: Event) -> bool:
-        if not isinstance(event, Event):
-            return False
-        return self._why_not(event) is None
-
-    def compose(self, event: Event, count: int = 1) -> "PldAccountant":
-        if not isinstance(event, Event):
-            raise TypeError(f"event must be an Event, got {type(event).__name__}")
-        count = _count("count", count)
-        why = self._why_not(event)
-        if why is not None:
-            raise UnsupportedEventError(why)
-        groups: Dict[Tuple[float, float], int] = {}
-        flags: dict = {"non_private": False, "truncated": {}}
-        self._walk(event, count, groups, flags)
-        for k, c in groups.items():
+    def _record(self, t: _Tally) -> None:
+        for k, c in t.groups.items():
             self._groups[k] = self._groups.get(k, 0) + c
-        for k, c in flags["truncated"].items():
+        for k, c in t.truncated.items():
             self._truncated[k] = self._truncated.get(k, 0) + c
-        self._non_private |= flags["non_private"]
-        return self
+        self._non_private |= t.non_private
 
-    def _walk(self, e: Event, count: int, groups: dict, flags: dict) -> None:
-        if count == 0:
-            return
+    def _walk(self, e: Event, count: int, t: _Tally, depth: int) -> None:
+        """Tallies ``count`` runs of ``e`` into ``t``; raises :class:`UnsupportedEventError`
+        naming the event and an accountant that can analyse it. Events run 0 times are still
+        checked, so that what this accountant accepts does not depend on the counts."""
+        if depth > 1000:
+            raise UnsupportedEventError("event nests too deeply")
         if isinstance(e, SelfComposedEvent):
-            self._walk(e.event, count * e.count, groups, flags)
+            self._walk(e.event, count * e.count, t, depth + 1)
         elif isinstance(e, ComposedEvent):
             tally: Dict[Event, int] = {}
             for sub in e.events:
                 tally[sub] = tally.get(sub, 0) + 1
             for sub, c in tally.items():
-                self._walk(sub, count * c, groups, flags)
+                self._walk(sub, count * c, t, depth + 1)
         elif isinstance(e, NonPrivateEvent):
-            flags["non_private"] = True
+            t.non_private |= count > 0
         elif isinstance(e, GaussianEvent):
-            key = (1.0, e.noise_multiplier)
-            groups[key] = groups.get(key, 0) + count
+            if count:
+                key = (1.0, e.noise_multiplier)
+                t.groups[key] = t.groups.get(key, 0) + count
+        elif isinstance(e, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
+            raise UnsupportedEventError(
+                f"PldAccountant cannot analyse {type(e).__name__}: no certified PLD analysis of random allocation "
+                "(balls-in-bins) is implemented; use RdpAccountant (neighboring='add_or_remove'), which bounds its "
+                "Renyi DP (dpcore.accounting.allocation)"
+            )
+        elif isinstance(e, RepeatAndSelectEvent):
+            raise UnsupportedEventError(
+                f"PldAccountant cannot analyse {type(e).__name__} (hyperparameter tuning: the best of a random number "
+                "of runs): its analysis (Papernot & Steinke 2022) is a Rényi DP bound; use RdpAccountant"
+            )
+        elif isinstance(e, DiscreteGaussianEvent) or isinstance(getattr(e, "event", None), DiscreteGaussianEvent):
+            raise UnsupportedEventError(
+                "PldAccountant cannot analyse the discrete Gaussian mechanism: its privacy loss distribution is not "
+                "the continuous Gaussian's, and only its Rényi bound is established (Canonne, Kamath & Steinke 2020, "
+                "Theorem 14); use RdpAccountant"
+            )
+        elif isinstance(e, SampledWithoutReplacementEvent):
+            raise UnsupportedEventError(
+                f"PldAccountant cannot analyse {e!r}: no PLD analysis of fixed-size sampling without replacement is "
+                "known to be sound under composition; use RdpAccountant(neighboring='replace_one')"
+            )
         elif isinstance(e, (PoissonSampledEvent, TruncatedPoissonSampledEvent)):
-            if isinstance(e.event, NonPrivateEvent):
-                if e.sampling_probability > 0:
-                    flags["non_private"] = True
-                return
-            z = _effective_noise(e.event)
-            if z is None or math.isinf(z):
-                return
-            if isinstance(e, PoissonSampledEvent):
-                key = (e.sampling_probability, z)
-                groups[key] = groups.get(key, 0) + count
-            else:
-                tkey = (e.sampling_probability, z, e.max_sample_size, e.population_size)
-                flags["truncated"][tkey] = flags["truncated"].get(tkey, 0) + count
+            self._walk_sampled(e, count, t)
+        else:
+            raise UnsupportedEventError(f"PldAccountant cannot analyse {type(e).__name__}")
+
+    def _walk_sampled(self, e: Any, count: int, t: _Tally) -> None:
+        """A Poisson or truncated-Poisson step of Gaussians (or of a non-private release)."""
+        outer = type(e).__name__
+        truncated = isinstance(e, TruncatedPoissonSampledEvent)
+        if isinstance(e.event, NonPrivateEvent):
+            t.non_private |= count > 0 and e.sampling_probability > 0
+            return
+        z = gaussian_noise_multiplier(e.event)
+        if z is None:
+            raise UnsupportedEventError(f"PldAccountant: the event inside {outer} must be Gaussian, got {e.event!r}")
+        # Poisson sampling at q = 1 takes every record: a plain Gaussian step, which replace-one
+        # analyses too.
+        if self.neighboring != "add_or_remove" and (truncated or e.sampling_probability < 1.0):
+            what = "truncated Poisson sampling is" if truncated else "Poisson sampling is"
+            who = "PldAccountant()" if truncated else "PldAccountant() or RdpAccountant()"
+            raise UnsupportedEventError(
+                f"PldAccountant cannot analyse {e!r} under neighboring='replace_one': {what} analysed under "
+                f"'add_or_remove' ({who})"
+            )
+        if count == 0 or math.isinf(z):
+            return
+        if truncated:
+            key = (e.sampling_probability, z, e.max_batch_size, e.population_size)
+            t.truncated[key] = t.truncated.get(key, 0) + count
+        else:
+            t.groups[(e.sampling_probability, z)] = t.groups.get((e.sampling_probability, z), 0) + count
 
     def _g(self):
         return [(q, z, float(c)) for (q, z), c in self._groups.items() if c > 0]

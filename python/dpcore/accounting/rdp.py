@@ -31,51 +31,36 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _core
-from .base import PrivacyAccountant, UnsupportedEventError
-from .events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
-from .events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
+from ..events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
+from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
 from ..events import RepeatAndSelectEvent
 from ..events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
 from .._validate import count as _count, probability, real as _real
+from ._params import DEFAULT_ORDERS, NEIGHBORING, check_delta, check_epsilon, check_orders, gaussian_noise_multiplier
+from .allocation import check_allocation_event, rdp_random_allocation
+from .base import PrivacyAccountant, UnsupportedEventError, check_accountant, register_accountant
+from .tuning import repeat_and_select_rdp
 
-#: dp_accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
-DEFAULT_ORDERS: Tuple[float, ...] = tuple(_core.default_rdp_orders())
-
-NEIGHBORING = ("add_or_remove", "replace_one")
+__all__ = [
+    "DEFAULT_ORDERS",
+    "NEIGHBORING",
+    "OrderRangeWarning",
+    "RdpAccountant",
+    "epsilon",
+    "epsilon_from_rdp",
+    "rdp_poisson_subsampled_discrete_gaussian",
+    "rdp_poisson_subsampled_gaussian",
+]
 
 
 class OrderRangeWarning(UserWarning):
     """The best order is at an end of the grid and continuous search could not move it: a
     wider grid may give a smaller ε."""
-
-
-
-
-def _orders(orders: Optional[Iterable[float]]) -> np.ndarray:
-    if orders is None:
-        return np.asarray(DEFAULT_ORDERS, dtype=np.float64)
-    try:
-        arr = np.asarray(list(orders) if not isinstance(orders, np.ndarray) else orders, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError("orders must be a sequence of real numbers") from None
-    arr = np.atleast_1d(arr).ravel()
-    if arr.size == 0:
-        raise ValueError("orders must hold at least one order")
-    if np.isnan(arr).any() or not (arr > 1).all():
-        raise ValueError(f"orders must all be > 1, got min {np.nanmin(arr) if arr.size else arr}")
-    return np.unique(arr)
-
-
-def _delta(delta: Any) -> float:
-    d = _real("delta", delta)
-    if not 0 <= d <= 1:
-        raise ValueError(f"delta must be in [0, 1], got {d}")
-    return d
 
 
 def _warn_edge(at_edge: bool, order: float, orders: np.ndarray) -> None:
@@ -177,30 +162,25 @@ def rdp_poisson_subsampled_discrete_gaussian(sampling_probability: float, noise_
     return np.nextafter(out * (1 + 1e-9), np.inf).reshape(a.shape)
 
 
-def _effective_noise(event: Event) -> Optional[float]:
-    """Noise multiplier of a Gaussian-only event run on one batch (Gaussians composed on the
-    same data combine as 1/z² = Σ count/z_i², Mironov 2017 Prop. 1 + 7); None if it is not
-    purely Gaussian."""
-    if isinstance(event, GaussianEvent):
-        return event.noise_multiplier
-    inv = 0.0
-    if isinstance(event, SelfComposedEvent):
-        z = _effective_noise(event.event)
-        if z is None:
-            return None
-        return math.inf if event.count == 0 else (z / math.sqrt(event.count))
-    if isinstance(event, ComposedEvent):
-        for e in event.events:
-            z = _effective_noise(e)
-            if z is None:
-                return None
-            if z == 0:
-                return 0.0
-            inv += 1.0 / (z * z)
-        return math.inf if inv == 0 else 1.0 / math.sqrt(inv)
-    return None
+class _Tally:
+    """What composing an event adds to an :class:`RdpAccountant`: step counts by group."""
+
+    __slots__ = ("poisson", "wor", "discrete", "tuned", "allocation", "non_private")
+
+    def __init__(self) -> None:
+        self.poisson: Dict[Tuple[float, float], int] = {}
+        self.wor: Dict[Tuple[float, float], int] = {}
+        self.discrete: Dict[Tuple[float, float], int] = {}
+        self.tuned: Dict[Event, int] = {}
+        self.allocation: Dict[Tuple[int, int, float], int] = {}
+        self.non_private = False
 
 
+def _add(into: dict, key: Any, count: int) -> None:
+    into[key] = into.get(key, 0) + count
+
+
+@register_accountant("rdp")
 class RdpAccountant(PrivacyAccountant):
     """Rényi-DP accountant (see the module docstring for the papers and equations).
 
@@ -209,12 +189,9 @@ class RdpAccountant(PrivacyAccountant):
     10⁶ steps drawn from a few distinct (q, z) costs one RDP evaluation per distinct pair.
     """
 
-    name = "rdp"
-
     def __init__(self, orders: Optional[Sequence[float]] = None, neighboring: str = "add_or_remove") -> None:
         super().__init__(neighboring)
-        self._orders = _orders(orders)
-        self._neighboring = neighboring
+        self._orders = check_orders(orders)
         self._poisson: Dict[Tuple[float, float], int] = {}
         self._wor: Dict[Tuple[float, float], int] = {}
         self._discrete: Dict[Tuple[float, float], int] = {}
@@ -229,57 +206,34 @@ class RdpAccountant(PrivacyAccountant):
     def orders(self) -> np.ndarray:
         return self._orders.copy()
 
-    def supports(self, event: Event) -> bool:
-        """Whether :meth:`compose` can analyse ``event`` under this accountant's relation."""
-        if not isinstance(event, Event):
-            return False
-        try:
-            self._walk(event, 1, {}, {}, {"non_private": False}, {}, {})
-        except (TypeError, ValueError):
-            return False
-        return True
+    def _tally(self, event: Event, count: int) -> _Tally:
+        t = _Tally()
+        self._walk(event, count, t)
+        return t
 
-    def compose(self, event: Event, count: int = 1) -> "RdpAccountant":
-        """Records ``count`` runs of ``event``; returns the accountant (for chaining). Nothing
-        is recorded if the event is not supported under this accountant's adjacency."""
-        if not isinstance(event, Event):
-            raise TypeError(f"event must be an Event, got {type(event).__name__}")
-        count = _count("count", count)
-        poisson: Dict[Tuple[float, float], int] = {}
-        wor: Dict[Tuple[float, float], int] = {}
-        discrete: Dict[Tuple[float, float], int] = {}
-        flags = {"non_private": False}
-        self._walk(event, count, poisson, wor, flags, {}, discrete)
-        for k, c in poisson.items():
-            self._poisson[k] = self._poisson.get(k, 0) + c
-        for k, c in discrete.items():
-            self._discrete[k] = self._discrete.get(k, 0) + c
-        for k, c in wor.items():
-            self._wor[k] = self._wor.get(k, 0) + c
-        self._non_private |= flags["non_private"]
-        for k, c in flags.get("tuned", {}).items():
-            self._tuned[k] = self._tuned.get(k, 0) + c
-        for k, c in flags.get("allocation", {}).items():
-            self._allocation[k] = self._allocation.get(k, 0) + c
-        return self
+    def _record(self, t: _Tally) -> None:
+        for mine, new in ((self._poisson, t.poisson), (self._discrete, t.discrete), (self._wor, t.wor),
+                          (self._tuned, t.tuned), (self._allocation, t.allocation)):
+            for k, c in new.items():
+                _add(mine, k, c)
+        self._non_private |= t.non_private
 
-    def _walk(self, e: Event, count: int, poisson: dict, wor: dict, flags: dict, memo: dict, discrete: dict) -> None:
+    def _walk(self, e: Event, count: int, t: _Tally) -> None:
         if count == 0:
             return
         if isinstance(e, SelfComposedEvent):
-            self._walk(e.event, count * e.count, poisson, wor, flags, memo, discrete)
+            self._walk(e.event, count * e.count, t)
         elif isinstance(e, ComposedEvent):
             # Group repeated sub-events first: 10⁶ identical entries cost one dict update.
             tally: Dict[Event, int] = {}
             for sub in e.events:
                 tally[sub] = tally.get(sub, 0) + 1
             for sub, c in tally.items():
-                self._walk(sub, count * c, poisson, wor, flags, memo, discrete)
+                self._walk(sub, count * c, t)
         elif isinstance(e, NonPrivateEvent):
-            flags["non_private"] = True
+            t.non_private = True
         elif isinstance(e, GaussianEvent):
-            key = (1.0, e.noise_multiplier)
-            poisson[key] = poisson.get(key, 0) + count
+            _add(t.poisson, (1.0, e.noise_multiplier), count)
         elif isinstance(e, DiscreteGaussianEvent) or (
             isinstance(e, PoissonSampledEvent) and isinstance(e.event, DiscreteGaussianEvent)
         ):
@@ -289,40 +243,34 @@ class RdpAccountant(PrivacyAccountant):
                 )
             q, inner = (e.sampling_probability, e.event) if isinstance(e, PoissonSampledEvent) else (1.0, e)
             if inner.noise_multiplier == 0:
-                flags["non_private"] = True
+                t.non_private = True
             else:
-                key = (q, inner.noise_multiplier)
-                discrete[key] = discrete.get(key, 0) + count
+                _add(t.discrete, (q, inner.noise_multiplier), count)
         elif isinstance(e, PoissonSampledEvent):
             why = "Poisson sampling is analysed under 'add_or_remove' (RdpAccountant() or PldAccountant())"
-            self._tally_sampled(e, "add_or_remove", why, e.sampling_probability, poisson, count, flags)
+            self._tally_sampled(e, "add_or_remove", why, e.sampling_probability, t.poisson, count, t)
         elif isinstance(e, SampledWithoutReplacementEvent):
             why = "sampling without replacement is analysed under RdpAccountant(neighboring='replace_one')"
-            self._tally_sampled(e, "replace_one", why, e.sample_size / e.source_size, wor, count, flags)
+            self._tally_sampled(e, "replace_one", why, e.sample_size / e.source_size, t.wor, count, t)
         elif isinstance(e, RepeatAndSelectEvent):
             # Hyperparameter tuning: the inner run's curve, transformed by Papernot & Steinke
             # 2022 (dpcore.accounting.tuning), is added in `rdp`. The inner event is walked here
             # so that one this accountant cannot analyse is refused now.
-            RdpAccountant(self._orders, self._neighboring)._walk(e.event, 1, {}, {}, {"non_private": False}, {}, {})
-            tuned = flags.setdefault("tuned", {})
-            tuned[e] = tuned.get(e, 0) + count
+            RdpAccountant(self._orders, self._neighboring)._tally(e.event, 1)
+            _add(t.tuned, e, count)
         elif isinstance(e, (RandomAllocationSampledEvent, BallsInBinsSampledEvent)):
             # Whole rounds of random allocation (balls-in-bins: k = 1), their RDP from
             # dpcore.accounting.allocation, added in `rdp`.
-            from .allocation import check_allocation_event
-
             ra = check_allocation_event(e, self._neighboring)
-            z = self._inner_noise(ra.event, type(e).__name__, flags)
+            z = self._inner_noise(ra.event, type(e).__name__, t)
             if z == 0:
-                flags["non_private"] = True
+                t.non_private = True
             elif z is not None:
-                key = (ra.num_steps, ra.num_selected, z)
-                alloc = flags.setdefault("allocation", {})
-                alloc[key] = alloc.get(key, 0) + count
+                _add(t.allocation, (ra.num_steps, ra.num_selected, z), count)
         else:
             raise UnsupportedEventError(f"RdpAccountant cannot analyse {type(e).__name__} events")
 
-    def _tally_sampled(self, e: Any, relation: str, why: str, q: float, into: dict, count: int, flags: dict) -> None:
+    def _tally_sampled(self, e: Any, relation: str, why: str, q: float, into: dict, count: int, t: _Tally) -> None:
         """Counts a sampled Gaussian step into ``into`` under key (q, z), once its neighbouring
         relation is the one its analysis needs. (A Poisson-sampled discrete Gaussian never gets
         here: it has its own branch.)"""
@@ -335,16 +283,16 @@ class RdpAccountant(PrivacyAccountant):
                 "RdpAccountant cannot analyse the discrete Gaussian on samples drawn without replacement (the "
                 "analysis used there is specific to the continuous Gaussian); use Poisson sampling"
             )
-        z = self._inner_noise(e.event, type(e).__name__, flags)
+        z = self._inner_noise(e.event, type(e).__name__, t)
         if z is not None:
-            into[(q, z)] = into.get((q, z), 0) + count
+            _add(into, (q, z), count)
 
     @staticmethod
-    def _inner_noise(inner: Event, outer: str, flags: dict) -> Optional[float]:
+    def _inner_noise(inner: Event, outer: str, t: _Tally) -> Optional[float]:
         if isinstance(inner, NonPrivateEvent):
-            flags["non_private"] = True
+            t.non_private = True
             return None
-        z = _effective_noise(inner)
+        z = gaussian_noise_multiplier(inner)
         if z is None:
             raise TypeError(f"the event inside {outer} must be Gaussian (possibly composed Gaussians)")
         if math.isinf(z):
@@ -386,15 +334,11 @@ class RdpAccountant(PrivacyAccountant):
             + [(("d",) + k, c) for k, c in self._discrete.items()]
         )
         if self._allocation:
-            from .allocation import rdp_random_allocation
-
             for k in self._allocation:
                 if ("a",) + k not in self._group_rdp:
                     self._group_rdp[("a",) + k] = rdp_random_allocation(k[0], k[1], k[2], self._orders)
             groups += [(("a",) + k, c) for k, c in self._allocation.items()]
         if self._tuned:
-            from .tuning import repeat_and_select_rdp
-
             for e in self._tuned:
                 if ("t", e) not in self._group_rdp:
                     self._group_rdp[("t", e)] = repeat_and_select_rdp(e, self._orders, self._neighboring)
@@ -409,7 +353,7 @@ class RdpAccountant(PrivacyAccountant):
         """(ε, α) for target δ: the smallest ε over the grid and over the real orders between
         the best grid order's neighbours (CKS 2020 Prop. 12), and the order achieving it.
         ε = inf when no finite guarantee exists (e.g. δ = 0 or a non-private event)."""
-        delta = _delta(delta)
+        delta = check_delta(delta, allow_zero=True)
         p, w = self._groups()
         if any(c > 0 for c in self._discrete.values()) or self._tuned or self._allocation:
             # The continuous search between orders knows only the continuous analyses: with
@@ -429,9 +373,7 @@ class RdpAccountant(PrivacyAccountant):
     def get_delta_and_order(self, epsilon: float) -> Tuple[float, float]:
         """(δ, α) for target ε: log δ = (α − 1)(r − ε + log1p(−1/α)) − log α (CKS 2020 Prop. 12),
         together with the KL bound δ ≤ √(1 − e^{−r}), minimised like ε."""
-        eps = _real("epsilon", epsilon)
-        if not eps >= 0:
-            raise ValueError(f"epsilon must be >= 0, got {eps}")
+        eps = check_epsilon(epsilon)
         p, w = self._groups()
         if any(c > 0 for c in self._discrete.values()) or self._tuned or self._allocation:
             return _delta_from_rdp_grid(self._orders, self.rdp, eps)
@@ -462,9 +404,7 @@ def epsilon(
     """
     q, z = _step_params(sampling_probability, noise_multiplier)
     s = _count("steps", steps)
-    d = _delta(delta)
-    from .base import check_accountant
-
+    d = check_delta(delta, allow_zero=accountant == "rdp")
     check_accountant(accountant)
     if accountant == "pld":
         if orders is not None:
@@ -472,7 +412,7 @@ def epsilon(
         if s == 0 or q == 0:
             return 0.0
         return _core.pld_epsilon_bounds([(q, z, float(s))], d, None, False)[1]
-    o = _orders(orders)
+    o = check_orders(orders)
     if s == 0:
         return 0.0
     eps, order, at_edge = _core.epsilon_composition([(q, z, float(s))], [], False, o.tolist(), d)
@@ -503,5 +443,5 @@ def epsilon_from_rdp(orders: Sequence[float], rdp: Sequence[float], delta: float
         raise ValueError("orders and rdp must have the same length")
     if o.size == 0 or np.isnan(o).any() or not (o > 1).all():
         raise ValueError("orders must all be > 1")
-    d = _delta(delta)
+    d = check_delta(delta, allow_zero=True)
     return _core.epsilon_from_rdp(o.tolist(), r.tolist(), d)

@@ -78,68 +78,41 @@ import math
 from typing import Any, Callable, Optional
 
 from ..events import (
-    BallsInBinsSampledEvent,
     Event,
     GaussianEvent,
-    PoissonSampledEvent,
-    RandomAllocationSampledEvent,
     SelfComposedEvent,
-    TruncatedPoissonSampledEvent,
 )
-from .._validate import count as _count, probability, real as _real
+from .._validate import count as _count, real as _real
 from .base import check_accountant, check_delta, make_accountant
 
-#: The samplers the adapters draw with, by the name every ``sampler=`` argument takes.
-SAMPLERS = ("poisson", "truncated_poisson", "balls_in_bins", "random_allocation", "shuffle")
-#: Every batch schedule accounted here: the samplers and the fixed-order loader
-#: (``sequential``) and fixed batches (``cyclic``) a run may use instead.
-ACCOUNTED_SAMPLERS = SAMPLERS + ("sequential", "cyclic")
-#: The neighbouring relations (see the module docs).
-NEIGHBORING = ("add_or_remove", "zero_out", "replace_one")
-#: The relations each sampler's guarantee holds under, and why the others are refused.
-RELATIONS = {
-    "poisson": ("add_or_remove", "zero_out"),
-    "truncated_poisson": ("add_or_remove", "zero_out"),
-    "balls_in_bins": ("add_or_remove", "zero_out"),
-    "random_allocation": ("add_or_remove", "zero_out"),
-    "shuffle": ("add_or_remove", "zero_out", "replace_one"),
-    "sequential": ("add_or_remove", "zero_out", "replace_one"),
-    "cyclic": ("add_or_remove", "zero_out", "replace_one"),
+from ..sampling import NEIGHBORING, registered_samplers, sampler_class, steps_per_round  # noqa: F401 (re-exported)
+
+
+# The tables of earlier releases, now views of the sampler registry (:mod:`dpcore.sampling`):
+# each sampler class declares its own relations, default relation, accountant and guarantee.
+# Computed when read, so that a sampler registered later appears in them.
+_TABLES = {
+    "RELATIONS": "relations",
+    "DEFAULT_RELATION": "default_relation",
+    "DEFAULT_ACCOUNTANTS": "default_accountant",
+    "GUARANTEES": "guarantee",
 }
-_REFUSED = {
-    "replace_one": "no replace-one analysis of {sampler} sampling is implemented (its amplification is analysed "
-                   "for a record added or removed, or zeroed out); use neighboring='add_or_remove' or 'zero_out'",
-}
-#: The relation a run of each sampler is stated under by default: add-or-remove where its
-#: analysis is the tight one, zero-out for the batch schedules without amplification (their
-#: add-or-remove bounds pay for a record shifting the batches).
-DEFAULT_RELATION = {s: "add_or_remove" for s in SAMPLERS[:4]}
-DEFAULT_RELATION.update(shuffle="zero_out", sequential="zero_out", cyclic="zero_out")
-#: The tightest certified accountant of each sampler.
-DEFAULT_ACCOUNTANTS = {
-    "poisson": "pld",
-    "truncated_poisson": "pld",
-    "balls_in_bins": "rdp",
-    "random_allocation": "rdp",
-    "shuffle": "pld",
-    "sequential": "pld",
-    "cyclic": "pld",
-}
-#: What each sampler guarantees, in a sentence (the report and the README use these).
-GUARANTEES = {
-    "poisson": "amplification by Poisson subsampling at rate q (PLD, tight)",
-    "truncated_poisson": "Poisson amplification, slightly weakened where the cap binds (PLD)",
-    "balls_in_bins": "amplification close to Poisson at q = 1/b, certified by a Rényi bound",
-    "random_allocation": "amplification close to Poisson at q = k/t, certified by a Rényi bound",
-    "shuffle": "none by sampling: one Gaussian query per epoch (zero-out), √5·C per epoch or 2C per step (add-or-remove)",
-    "sequential": "none by sampling: one Gaussian query per epoch (zero-out), 2C per step (add-or-remove)",
-    "cyclic": "none by sampling: one Gaussian query per participation (zero-out), 2C per participation (add-or-remove)",
-}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SAMPLERS":  # the samplers a front end's sampler= may name
+        return registered_samplers(selectable=True)
+    if name == "ACCOUNTED_SAMPLERS":  # every batch schedule a run can be planned and accounted with
+        return registered_samplers(planned=True)
+    if name in _TABLES:
+        return {n: getattr(sampler_class(n), _TABLES[name]) for n in registered_samplers(planned=True)}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_sampler(sampler: Any) -> str:
-    if sampler not in ACCOUNTED_SAMPLERS:
-        raise ValueError(f"sampler must be one of {', '.join(ACCOUNTED_SAMPLERS)}; got {sampler!r}")
+    accounted = registered_samplers(planned=True)
+    if sampler not in accounted:
+        raise ValueError(f"sampler must be one of {', '.join(accounted)}; got {sampler!r}")
     return sampler
 
 
@@ -148,9 +121,7 @@ def check_relation(sampler: str, neighboring: Any) -> str:
     otherwise."""
     if neighboring not in NEIGHBORING:
         raise ValueError(f"neighboring must be one of {', '.join(NEIGHBORING)}, got {neighboring!r}")
-    if neighboring not in RELATIONS[check_sampler(sampler)]:
-        raise ValueError(_REFUSED[neighboring].format(sampler=sampler))
-    return neighboring
+    return sampler_class(check_sampler(sampler)).check_relation(neighboring)
 
 
 def analysis_relation(neighboring: str) -> str:
@@ -163,13 +134,7 @@ def analysis_relation(neighboring: str) -> str:
 def epoch_steps(sampler: str, sampling_probability: float, steps_per_epoch: Optional[int] = None) -> int:
     """k: the steps of one epoch of ``shuffle`` or ``sequential`` (⌈n/b⌉ = ⌈1/q⌉ by default)
     or of one cycle of ``cyclic`` fixed batches (⌊n/b⌋ = ⌊1/q⌋), or the given ``steps_per_epoch``."""
-    if steps_per_epoch is not None:
-        return _count("steps_per_epoch", steps_per_epoch, 1)
-    q = probability("sampling_probability", sampling_probability)
-    if not q > 0:
-        raise ValueError(f"sampling_probability must be > 0 for {sampler}, got {q}")
-    # 1e-9: q = b/n given as a float; 1/q a whole number up to rounding
-    return max(1, math.floor(1.0 / q + 1e-9)) if sampler == "cyclic" else max(1, math.ceil(1.0 / q - 1e-9))
+    return sampler_class(sampler).epoch_length(sampling_probability, steps_per_epoch=steps_per_epoch)
 
 
 def epoch_event(sampler: str, noise_multiplier: float, steps: int, epochs: int, steps_in_epoch: int,
@@ -177,44 +142,22 @@ def epoch_event(sampler: str, noise_multiplier: float, steps: int, epochs: int, 
     """The event of ``steps`` released steps over ``epochs`` epochs begun (cycles, for
     ``cyclic``) of ``steps_in_epoch`` steps each, with Gaussian noise ``noise_multiplier``
     relative to the clip norm, under ``neighboring`` (the module docs give the bounds)."""
-    z = noise_multiplier
     check_relation(sampler, neighboring)
-    if neighboring == "zero_out":
-        return SelfComposedEvent(GaussianEvent(z), epochs)
-    if neighboring == "replace_one":
-        return SelfComposedEvent(GaussianEvent(z / 2.0), epochs)
-    if sampler == "shuffle" and steps_in_epoch >= 5:
-        return SelfComposedEvent(GaussianEvent(z / math.sqrt(5.0)), epochs)
     if sampler == "cyclic":
-        return SelfComposedEvent(GaussianEvent(z / 2.0), epochs)
-    return SelfComposedEvent(GaussianEvent(z / 2.0), steps)
+        z = noise_multiplier
+        return SelfComposedEvent(GaussianEvent(z if neighboring == "zero_out" else z / 2.0), epochs)
+    return sampler_class(sampler)._epochs_event(noise_multiplier, steps, epochs, steps_in_epoch, neighboring)
 
 
 def default_accountant(sampler: str, accountant: Optional[str] = None) -> str:
     """``accountant`` if given (checked), else the tightest certified one for ``sampler``."""
     check_sampler(sampler)
     if accountant is None:
-        return DEFAULT_ACCOUNTANTS[sampler]
+        return sampler_class(sampler).default_accountant
     return check_accountant(accountant)
 
 
-def steps_per_round(sampler: str, sampling_probability: float, num_selected: int = 1) -> int:
-    """The steps of one round of an allocation sampler: b = 1/q batches of a balls-in-bins
-    epoch, t = k/q steps of a random-allocation round. ValueError when that is not a whole
-    number (to 1e-9): the rate of these samplers is k/t exactly."""
-    q = probability("sampling_probability", sampling_probability)
-    k = _count("num_selected", num_selected, 1)
-    if sampler == "balls_in_bins" and k != 1:
-        raise ValueError("balls_in_bins puts every record in one batch per epoch: num_selected must be 1")
-    if not q > 0:
-        raise ValueError(f"sampling_probability must be > 0 for {sampler}, got {q}")
-    t = round(k / q)
-    if t < k or abs(t * q - k) > 1e-9 * k:
-        raise ValueError(
-            f"{sampler}: sampling_probability must be num_selected/steps_per_round exactly "
-            f"(got q = {q!r}, num_selected = {k}: k/q = {k / q!r} is not a whole number of steps)"
-        )
-    return t
+
 
 
 def sampler_event(
@@ -236,37 +179,12 @@ def sampler_event(
     Allocation samplers are counted in whole rounds: ⌈steps/t⌉; shuffled and fixed-order
     loaders in epochs begun, ⌈steps/k⌉ with k = ``steps_per_epoch`` (default ⌈1/q⌉), fixed
     batches in participations, ⌈steps/k⌉ with k = ⌊1/q⌋ batches."""
-    check_sampler(sampler)
-    rel = check_relation(sampler, DEFAULT_RELATION[sampler] if neighboring is None else neighboring)
-    z = _real("noise_multiplier", noise_multiplier)
-    if not z >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {z}")
-    s = _count("steps", steps)
-    q = probability("sampling_probability", sampling_probability)
-    if sampler == "truncated_poisson":
-        if population_size is None or max_batch_size is None:
-            raise ValueError("truncated_poisson needs population_size and max_batch_size")
-    elif max_batch_size is not None:
-        raise ValueError(f"max_batch_size is the cap of truncated_poisson; {sampler} has none")
-    if sampler != "random_allocation" and num_selected != 1:
-        raise ValueError(f"num_selected is the k of random_allocation; {sampler} takes none")
-    if steps_per_epoch is not None and sampler not in ("shuffle", "sequential", "cyclic"):
-        raise ValueError(f"steps_per_epoch is for shuffle, sequential and cyclic; {sampler} takes none")
-    g = GaussianEvent(z)
-    if sampler == "poisson":
-        return SelfComposedEvent(PoissonSampledEvent(q, g), s)
-    if sampler == "truncated_poisson":
-        if rel == "zero_out":  # the record is in the batch with probability at most q
-            return SelfComposedEvent(PoissonSampledEvent(q, g), s)
-        return SelfComposedEvent(TruncatedPoissonSampledEvent(q, max_batch_size, population_size, g), s)
-    if sampler in ("shuffle", "sequential", "cyclic"):
-        k = epoch_steps(sampler, q, steps_per_epoch)
-        return epoch_event(sampler, z, s, -(-s // k), k, rel)
-    t = steps_per_round(sampler, q, num_selected)
-    rounds = -(-s // t)
-    if sampler == "balls_in_bins":
-        return SelfComposedEvent(BallsInBinsSampledEvent(t, g), rounds)
-    return SelfComposedEvent(RandomAllocationSampledEvent(t, num_selected, g), rounds)
+    cls = sampler_class(check_sampler(sampler))
+    return cls.event(
+        noise_multiplier, steps, sampling_probability=sampling_probability, population_size=population_size,
+        neighboring=neighboring, steps_per_epoch=steps_per_epoch, max_batch_size=max_batch_size,
+        num_selected=num_selected,
+    )
 
 
 def sampler_epsilon(
@@ -288,7 +206,7 @@ def sampler_epsilon(
     the tightest certified one for the sampler)."""
     acct = default_accountant(sampler, accountant)
     d = check_delta(delta)
-    rel = DEFAULT_RELATION[check_sampler(sampler)] if neighboring is None else neighboring
+    rel = sampler_class(check_sampler(sampler)).default_relation if neighboring is None else neighboring
     ev = sampler_event(
         sampler, noise_multiplier, steps, sampling_probability=sampling_probability,
         population_size=population_size, max_batch_size=max_batch_size, num_selected=num_selected,
@@ -405,7 +323,7 @@ def calibrate_sampler_noise(
     :func:`sampler_epsilon` ≤ ``target_epsilon`` under ``neighboring`` (None: the sampler's
     default relation) (:func:`calibrate_noise_for`)."""
     acct = default_accountant(sampler, accountant)
-    nb = DEFAULT_RELATION[check_sampler(sampler)] if neighboring is None else neighboring
+    nb = sampler_class(check_sampler(sampler)).default_relation if neighboring is None else neighboring
     kw = dict(
         sampling_probability=sampling_probability, population_size=population_size,
         max_batch_size=max_batch_size, num_selected=num_selected, neighboring=nb,
@@ -445,14 +363,15 @@ def calibrate_sampler_steps(
         raise ValueError(f"target_epsilon must be > 0, got {e}")
     d = check_delta(target_delta)
     acct = default_accountant(sampler, accountant)
-    nb = DEFAULT_RELATION[check_sampler(sampler)] if neighboring is None else neighboring
+    nb = sampler_class(check_sampler(sampler)).default_relation if neighboring is None else neighboring
     kw = dict(
         sampling_probability=sampling_probability, population_size=population_size,
         max_batch_size=max_batch_size, num_selected=num_selected, neighboring=nb,
         steps_per_epoch=steps_per_epoch,
     )
     sampler_event(sampler, noise_multiplier, 1, **kw)
-    unit = steps_per_round(sampler, sampling_probability, num_selected) if sampler in ("balls_in_bins", "random_allocation") else 1
+    cls = sampler_class(sampler)
+    unit = cls.epoch_length(sampling_probability, num_selected=num_selected) if cls.rounds == "allocation" else 1
 
     def ok(units: int) -> bool:
         ev = sampler_event(sampler, noise_multiplier, units * unit, **kw)

@@ -36,6 +36,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .._validate import real as _real
+from .base import make_accountant
 
 __all__ = [
     "POISSON",
@@ -240,9 +241,8 @@ def repeat_and_select_rdp(event: Any, orders: Any, neighboring: str = "add_or_re
     neighbouring relation; any event it supports, tuned events included), transformed by
     :func:`rdp_repeat_and_select`. Raises what that accountant raises for an unsupported inner
     event."""
-    from .rdp import RdpAccountant
-
-    sub = RdpAccountant(orders, neighboring=neighboring)
+    # By name, not by import: the RDP accountant imports this module to analyse these events.
+    sub = make_accountant("rdp", neighboring, orders=orders)
     sub.compose(event.event)
     return rdp_repeat_and_select(sub.orders, sub.rdp, event.mean, event.shape)
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._events import StreamAccount, account_streams, analysis_relation, samples_to_event
-from ._storage import CYCLIC_POISSON, LedgerWarning, SampleLog
+from ._entries import CYCLIC_POISSON, LedgerWarning
+from ._storage import SampleLog
 
 __all__ = ["PrivacyReport", "build_report", "epsilon_curve"]
 
@@ -188,8 +189,13 @@ def json_safe(v: Any) -> Any:
 _num = json_safe
 
 
-def _fmt(v: float) -> str:
+def format_number(v: float) -> str:
+    """A number as reports print it (ε, noise multipliers, clip norms): six significant digits,
+    ∞ for infinity."""
     return "∞" if v == math.inf else f"{v:.6g}"
+
+
+_fmt = format_number
 
 
 def _short(stream: str) -> str:
@@ -258,7 +264,7 @@ def build_report(ledger: Any, delta: float, *, neighboring: Optional[str] = None
     """The report of ``ledger`` (a :class:`dpcore.PrivacyLedger`) at ``delta``; ε is exactly
     ``ledger.get_epsilon(delta, accountant, neighboring=...)``, with the PLD lower bound and
     the RDP value beside it."""
-    from .. import __version__
+    from .._core import __version__
     from ..accounting import PldAccountant
     from ..accounting.base import check_delta
 
@@ -340,67 +346,28 @@ def build_report(ledger: Any, delta: float, *, neighboring: Optional[str] = None
     )
 
 
-#: What each sampling policy of the ledger means for the accountant: (what it assumes of the
-#: data pipeline, the amplification it gets, the event and accountant it is analysed with).
-POLICY_TEXT = {
-    "poisson": (
-        "each record in each step independently with probability q",
-        "Poisson subsampling",
-        "PoissonSampledEvent per step (PLD)",
-    ),
-    "truncated_poisson": (
-        "Poisson sampling at q, capped at b records (a uniformly random b of them when more are drawn)",
-        "Poisson subsampling, weakened where the cap binds",
-        "TruncatedPoissonSampledEvent per step (PLD)",
-    ),
-    "balls_in_bins": (
-        "each record in exactly one of the epoch's batches, chosen uniformly and independently",
-        "random allocation (1 of b)",
-        "BallsInBinsSampledEvent per epoch (certified Rényi bound)",
-    ),
-    "random_allocation": (
-        "each record in exactly k of every round's t steps, a uniformly random k-subset",
-        "random allocation (k of t)",
-        "RandomAllocationSampledEvent per round (certified Rényi bound)",
-    ),
-    "fixed_size_without_replacement": (
-        "b records drawn uniformly without replacement at each step",
-        "sampling without replacement (replace-one relation)",
-        "SampledWithoutReplacementEvent per step (RDP)",
-    ),
-    "shuffle": (
-        "batches of a fresh permutation every epoch: not a random sample",
-        "none",
-        "GaussianEvent per epoch (zero-out: C; add-or-remove: √5·C, or 2C per step under 5 steps an epoch)",
-    ),
-    "sequential": (
-        "batches of the records in a fixed order",
-        "none",
-        "GaussianEvent per epoch (zero-out: C) or per step (add-or-remove: 2C, a record shifts every later batch)",
-    ),
-    "cyclic": (
-        "fixed batches cut once, visited cyclically (matrix-factorization streams)",
-        "none (the stream's sensitivity covers the participations)",
-        "per matrix-factorization stream",
-    ),
-    "cyclic_poisson": (
-        "groups cut once, each record of the step's group with probability p",
-        "Poisson subsampling within the group",
-        "per matrix-factorization stream",
-    ),
-}
+def policy_text(policy: str) -> Any:
+    """What a sampling policy of the ledger means for the accountant, from its sampler class
+    (:attr:`dpcore.sampling.Sampler.report_text`): what it assumes of the data pipeline, the
+    amplification it gets, the event and accountant it is analysed with."""
+    from ..sampling import registered_samplers, sampler_class
+
+    if policy not in registered_samplers():
+        return ("?", "?", "?")
+    cls = sampler_class(policy)
+    return cls.report_text or (cls.guarantee or "?", "?", "?")
 
 
 def sampler_summary(segments: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One entry per sampling policy that released something: its steps and what the
-    accountant assumes of it (:data:`POLICY_TEXT`)."""
+    accountant assumes of it (:func:`policy_text`)."""
     steps: Dict[str, int] = {}
     for s in segments:
         if s["releases"]:
             steps[s["policy"]] = steps.get(s["policy"], 0) + s["releases"]
     out = []
     for policy, k in steps.items():
-        assumes, amp, event = POLICY_TEXT.get(policy, ("?", "?", "?"))
+        assumes, amp, event = policy_text(policy)
         out.append({"policy": policy, "steps": k, "assumes": assumes, "amplification": amp, "event": event})
     return out
 
@@ -415,7 +382,10 @@ def shuffle_suggestion(
     ledger is accounted as recorded."""
     from .. import accounting as acc
 
-    shuffled = [s for s in segments if s["policy"] in ("shuffle", "sequential") and s["releases"]]
+    from ..sampling import registered_samplers, sampler_class
+
+    epochal = [n for n in registered_samplers() if sampler_class(n).rounds == "epoch"]
+    shuffled = [s for s in segments if s["policy"] in epochal and s["releases"]]
     if not shuffled or not math.isfinite(epsilon):
         return None
     if any(s["effective_noise_multiplier"] in (None, 0.0) or not s["sample_size"] for s in shuffled):
@@ -423,7 +393,7 @@ def shuffle_suggestion(
 
     def other(s: Dict[str, Any], kind: str) -> Any:
         n, b, z = s["population_size"], s["sample_size"], s["effective_noise_multiplier"]
-        if kind in ("shuffle", "sequential"):
+        if kind in epochal:
             return acc.sampler_event(kind, z, s["releases"], sampling_probability=min(1.0, b / n), neighboring=neighboring)
         if kind == "poisson":
             return acc.sampler_event("poisson", z, s["releases"], sampling_probability=min(1.0, b / n),

@@ -24,8 +24,9 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ..mechanism import gaussian_noise
+from .._seeds import derive_seed
 from .base import (
-    ClipJob, DPQuery, GaussianRelease, ReleasePlan, SumState, check_parts, derive_seed, noise_releases, nonnegative,
+    ClipJob, DPQuery, GaussianRelease, ReleasePlan, SumState, check_parts, noise_releases, nonnegative,
     positive,
 )
 from ..events import ComposedQueryEvent, SumQueryEvent

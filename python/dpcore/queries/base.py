@@ -30,6 +30,7 @@ import numpy as np
 from .. import _core
 from ..mechanism import _seed
 from .._validate import nonnegative, parts, positive  # noqa: F401 (the queries import them from here)
+from .._seeds import derive_seed  # noqa: F401 (its home before dpcore._seeds)
 
 
 class DPQuery:
@@ -227,19 +228,6 @@ def _batch_of_one(record: Any) -> Any:
         ]
     a = np.asarray(record)
     return a[np.newaxis]
-
-
-# ----------------------------------------------------------------------------- seeds
-
-
-def derive_seed(seed: Optional[int], *path: int) -> Optional[int]:
-    """An independent seed for one part of a seeded call (tests only); None stays None so that
-    unseeded calls keep drawing fresh keys from the OS."""
-    s = _seed(seed)
-    if s is None:
-        return None
-    st = np.random.SeedSequence([s, *path]).generate_state(2, np.uint32)
-    return int(st[0]) | (int(st[1]) << 32)
 
 
 # ----------------------------------------------------------------------------- sum states

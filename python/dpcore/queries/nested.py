@@ -14,7 +14,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 
 from .. import _core
-from .base import DPQuery, derive_seed, noise_releases
+from .._seeds import derive_seed
+from .base import DPQuery, noise_releases
 from ..events import ComposedQueryEvent
 
 __all__ = ["NestedQuery"]
