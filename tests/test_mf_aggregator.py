@@ -10,7 +10,7 @@ from dpcore import PrivacyLedger, PrivateAggregator
 from dpcore.ledger import LedgerWarning
 from dpcore.matrix_factorization import BLTStrategy, Participation, epsilon, optimize
 from dpcore.queries import GaussianSumQuery, MatrixFactorizationQuery
-from dpcore.sampling import CyclicBatches, CyclicPoissonSampler
+from dpcore.sampling import CyclicSampler, CyclicPoissonSampler
 
 N, BATCH, EPOCHS = 60, 10, 3
 B = N // BATCH
@@ -18,7 +18,7 @@ B = N // BATCH
 
 def _run(tmp_path, z, steps, seed=0, name="l.jsonl"):
     ledger = PrivacyLedger(tmp_path / name)
-    sampler = CyclicBatches(N, BATCH, seed=seed, ledger=ledger)
+    sampler = CyclicSampler(N, BATCH, seed=seed, ledger=ledger)
     part = Participation.cyclic(B, EPOCHS)
     strategy = optimize(B * EPOCHS, part)
     q = MatrixFactorizationQuery(1.0, z, strategy=strategy, participation=part, steps=B * EPOCHS)
@@ -56,19 +56,19 @@ def test_a_sampler_that_does_not_fit_is_refused(tmp_path):
     part = Participation.cyclic(B)
     q = MatrixFactorizationQuery(1.0, 1.0, strategy=BLTStrategy([0.5], [0.3]), participation=part, steps=B)
     with pytest.raises(ValueError, match="ledger"):
-        PrivateAggregator(q, ledger, N, sampler=CyclicBatches(N, BATCH))
+        PrivateAggregator(q, ledger, N, sampler=CyclicSampler(N, BATCH))
     with pytest.raises(ValueError, match="follows"):
-        PrivateAggregator(q, ledger, N, sampler=CyclicBatches(N, BATCH * 2, ledger=ledger))
+        PrivateAggregator(q, ledger, N, sampler=CyclicSampler(N, BATCH * 2, ledger=ledger))
     with pytest.raises(ValueError, match="population"):
-        PrivateAggregator(q, ledger, N + 1, sampler=CyclicBatches(N, BATCH, ledger=ledger))
+        PrivateAggregator(q, ledger, N + 1, sampler=CyclicSampler(N, BATCH, ledger=ledger))
     with pytest.raises(ValueError, match="not both"):
-        PrivateAggregator(q, ledger, N, 0.1, sampler=CyclicBatches(N, BATCH, ledger=ledger))
+        PrivateAggregator(q, ledger, N, 0.1, sampler=CyclicSampler(N, BATCH, ledger=ledger))
     with pytest.raises(TypeError, match="sampler"):
         PrivateAggregator(q, ledger, N, sampler=object())
     poisson = CyclicPoissonSampler(N, B, 0.5, ledger=ledger)
     with pytest.raises(ValueError, match="follows"):
         PrivateAggregator(q, ledger, N, sampler=poisson)
-    agg = PrivateAggregator(q, ledger, N, sampler=CyclicBatches(N, BATCH, ledger=ledger))
+    agg = PrivateAggregator(q, ledger, N, sampler=CyclicSampler(N, BATCH, ledger=ledger))
     with pytest.raises(ValueError, match="seeded"):
         agg.sample(seed=3)
     assert dpcore.PrivateAggregator is PrivateAggregator

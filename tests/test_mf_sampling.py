@@ -1,4 +1,4 @@
-"""Cyclic samplers for matrix-factorization mechanisms (dpcore.sampling.CyclicBatches and
+"""Cyclic samplers for matrix-factorization mechanisms (dpcore.sampling.CyclicSampler and
 CyclicPoissonSampler): the participation schema they promise, checked at fixed seeds."""
 
 import warnings
@@ -9,12 +9,12 @@ from scipy import stats
 
 from dpcore.ledger import PrivacyLedger
 from dpcore.matrix_factorization import Participation
-from dpcore.sampling import CyclicBatches, CyclicPoissonSampler
+from dpcore.sampling import CyclicSampler, CyclicPoissonSampler
 
 
 def test_cyclic_every_record_once_per_epoch_and_separation_b():
     n, bs = 103, 10  # b = 10 batches, 3 records dropped
-    s = CyclicBatches(n, bs, seed=7)
+    s = CyclicSampler(n, bs, seed=7)
     b = s.steps_per_epoch
     assert b == 10 and s.dropped == 3 and len(s) == b
     assert s.participation == Participation(10)
@@ -39,7 +39,7 @@ def test_cyclic_every_record_once_per_epoch_and_separation_b():
 
 
 def test_cyclic_same_batches_every_epoch_and_iteration_is_the_rest_of_the_epoch():
-    s = CyclicBatches(40, 8, seed=1)
+    s = CyclicSampler(40, 8, seed=1)
     first = list(s)
     assert len(first) == 5 and s.position == 5
     again = list(s)
@@ -50,10 +50,10 @@ def test_cyclic_same_batches_every_epoch_and_iteration_is_the_rest_of_the_epoch(
 
 
 def test_cyclic_permutation_is_keyed_and_os_keyed_by_default():
-    a, b = CyclicBatches(1000, 10, seed=3), CyclicBatches(1000, 10, seed=3)
+    a, b = CyclicSampler(1000, 10, seed=3), CyclicSampler(1000, 10, seed=3)
     assert np.array_equal(a.permutation, b.permutation)
-    assert not np.array_equal(a.permutation, CyclicBatches(1000, 10, seed=4).permutation)
-    u, v = CyclicBatches(1000, 10), CyclicBatches(1000, 10)
+    assert not np.array_equal(a.permutation, CyclicSampler(1000, 10, seed=4).permutation)
+    u, v = CyclicSampler(1000, 10), CyclicSampler(1000, 10)
     assert not np.array_equal(u.permutation, v.permutation)  # OS keys (collision ~1/1000!)
     assert sorted(u.permutation.tolist()) == list(range(1000))
     with pytest.raises(ValueError):
@@ -61,10 +61,10 @@ def test_cyclic_permutation_is_keyed_and_os_keyed_by_default():
 
 
 def test_cyclic_state_dict_resumes_the_same_cycle():
-    a = CyclicBatches(57, 6)  # OS-keyed: only the stored key gives the same order back
+    a = CyclicSampler(57, 6)  # OS-keyed: only the stored key gives the same order back
     want = [a.draw() for _ in range(20)]
-    b = CyclicBatches(57, 6)
-    c = CyclicBatches(57, 6)
+    b = CyclicSampler(57, 6)
+    c = CyclicSampler(57, 6)
     for _ in range(7):
         b.draw()
     st = a.state_dict()
@@ -74,7 +74,7 @@ def test_cyclic_state_dict_resumes_the_same_cycle():
     assert all(np.array_equal(x, y) for x, y in zip(got, want[7:]))
     assert c.state_dict() == dict(st, position=20)
     with pytest.raises(ValueError, match="same partition"):
-        CyclicBatches(57, 5).load_state_dict(st)
+        CyclicSampler(57, 5).load_state_dict(st)
     with pytest.raises(ValueError, match="not the state"):
         CyclicPoissonSampler(57, 5, 0.5).load_state_dict(st)
     with pytest.raises(ValueError, match="position"):
@@ -83,15 +83,15 @@ def test_cyclic_state_dict_resumes_the_same_cycle():
 
 def test_cyclic_refuses_nonsense():
     with pytest.raises(ValueError, match="larger than the population"):
-        CyclicBatches(5, 6)
+        CyclicSampler(5, 6)
     with pytest.raises(ValueError):
-        CyclicBatches(0, 1)
+        CyclicSampler(0, 1)
     with pytest.raises(ValueError):
-        CyclicBatches(10, 0)
+        CyclicSampler(10, 0)
     with pytest.raises(TypeError):
-        CyclicBatches(10, 2.5)
+        CyclicSampler(10, 2.5)
     with pytest.raises(TypeError):
-        CyclicBatches(10, 2, ledger="l.jsonl")
+        CyclicSampler(10, 2, ledger="l.jsonl")
     with pytest.raises(ValueError, match="larger than the population"):
         CyclicPoissonSampler(5, 6, 0.5)
     with pytest.raises(ValueError, match="> 0"):
@@ -144,7 +144,7 @@ def test_cyclic_poisson_state_dict_and_seeded_draws():
 
 def test_samplers_record_their_policy(tmp_path):
     led = PrivacyLedger(str(tmp_path / "l.jsonl"))
-    s = CyclicBatches(30, 7, ledger=led)
+    s = CyclicSampler(30, 7, ledger=led)
     s.draw()
     assert led._pending.policy == "cyclic" and led._pending.sample_size == 7
     assert led._pending.sampling_probability == 7 / 30 and not led._pending.seeded

@@ -601,7 +601,7 @@ def test_rounds_become_allocation_events(tmp_path):
     assert parts[1].event.event.noise_multiplier == pytest.approx(2.0)
     assert isinstance(parts[2], A.SelfComposedEvent) and parts[2].count == 2
     tp = parts[2].event
-    assert (tp.sampling_probability, tp.max_sample_size, tp.population_size) == (0.2, 4, 30)
+    assert (tp.sampling_probability, tp.max_batch_size, tp.population_size) == (0.2, 4, 30)
     assert tp.event.noise_multiplier == pytest.approx(2.0) and tp.event.noise_multiplier <= 2.0
     assert parts[3] == A.NonPrivateEvent()
     assert PrivacyLedger.load(path).to_event() == ev

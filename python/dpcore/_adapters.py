@@ -27,27 +27,44 @@ import math
 from typing import Any, Optional
 
 from ._validate import count, integer, positive as _positive
-from .accounting.samplers import DEFAULT_ACCOUNTANTS, SAMPLERS
+from .plan import calibration_accountant as plan_accountant
+from .sampling import registered_samplers, sampler_class
 
-#: The samplers of :mod:`dpcore.sampling` that the adapters drive through their ``draw()``.
-DRAWN = ("truncated_poisson", "balls_in_bins", "random_allocation")
-#: The samplers whose steps come in rounds (an epoch of balls-in-bins, a round of allocation).
-ALLOCATION = ("balls_in_bins", "random_allocation")
+
+def __getattr__(name: str) -> Any:
+    # views of the sampler registry, computed when read (a sampler registered later is in them)
+    if name == "DRAWN":  # the samplers the adapters drive through their draw()
+        return registered_samplers(selectable=True, drawn=True)
+    if name == "ALLOCATION":  # the samplers whose steps come in rounds
+        return tuple(n for n in registered_samplers() if sampler_class(n).rounds == "allocation")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def drawn(kind: str) -> bool:
+    """Whether the adapters draw ``kind``'s batches through a :mod:`dpcore.sampling` sampler."""
+    return kind in registered_samplers(selectable=True, drawn=True)
 
 
 def default_accountant(kind: str) -> str:
-    """The tightest certified accountant of ``kind``: RDP for the allocation samplers (the only
-    certified analysis implemented), PLD otherwise (:data:`dpcore.accounting.samplers.DEFAULT_ACCOUNTANTS`)."""
-    return DEFAULT_ACCOUNTANTS[kind]
+    """The tightest certified accountant of ``kind`` (the sampler class's own)."""
+    return sampler_class(kind).default_accountant
 
 
 def resolve_sampler(sampler: Any, poisson_sampling: Optional[bool]) -> str:
     """The sampler of a run from ``sampler=`` and the older ``poisson_sampling=`` (True is
-    ``"poisson"``, False ``"shuffle"``); both given and disagreeing: ValueError."""
+    ``"poisson"``, False ``"shuffle"``; deprecated); both given and disagreeing: ValueError."""
+    if poisson_sampling is not None:
+        import warnings
+
+        warnings.warn(
+            "poisson_sampling= is deprecated: give sampler='poisson' (True) or sampler='shuffle' (False)",
+            DeprecationWarning, stacklevel=3,
+        )
     if sampler is None:
         return "shuffle" if poisson_sampling is not None and not poisson_sampling else "poisson"
-    if not isinstance(sampler, str) or sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {', '.join(map(repr, SAMPLERS))} or None, got {sampler!r}")
+    choices = registered_samplers(selectable=True)
+    if not isinstance(sampler, str) or sampler not in choices:
+        raise ValueError(f"sampler must be one of {', '.join(map(repr, choices))} or None, got {sampler!r}")
     if poisson_sampling is not None:
         same = "poisson" if poisson_sampling else "shuffle"
         if sampler != same:
@@ -84,101 +101,43 @@ def suggested_cap(n: int, q: float) -> int:
     return int(min(n, math.ceil(m + 4.0 * math.sqrt(m * (1.0 - q)))))
 
 
-def shape(kind: str, n: int, batch_size: float, max_batch_size: Any = None, num_selected: Any = 1) -> dict:
-    """The constructor arguments (after the population) of :mod:`dpcore.sampling`'s sampler of
-    ``kind`` for n records and an expected batch of ``batch_size``:
-
-    * ``truncated_poisson``: q = min(1, bs/n), B = ``max_batch_size`` (B ≥ n: never binds; it
-      is recorded as n, the same mechanism);
-    * ``balls_in_bins``: b = max(1, round(n/bs)) batches per epoch (expected batch n/b);
-    * ``random_allocation``: t = max(k, round(n·k/bs)) steps per round, each record in k of them
-      (expected batch n·k/t, the nearest to bs a whole t gives)."""
+def build(kind: str, n: int, batch_size: float, *, max_batch_size: Any = None, num_selected: Any = 1,
+          seed: Optional[int] = None, ledger: Any = None) -> Any:
+    """The :mod:`dpcore.sampling` sampler of ``kind`` for n records and an expected batch of
+    ``batch_size`` (:meth:`~dpcore.sampling.Sampler.for_batch_size`), recording in ``ledger``."""
     n = count("population_size", n, 1)
     bs = float(batch_size)
     if not (math.isfinite(bs) and bs > 0):
         raise ValueError(f"the batch size must be finite and > 0, got {batch_size!r}")
     check_options(kind, max_batch_size, num_selected, n, bs)
-    if kind == "truncated_poisson":
-        cap = count("max_batch_size", max_batch_size, 1)
-        return {"sampling_probability": min(1.0, bs / n), "max_batch_size": min(cap, n)}
-    if kind == "balls_in_bins":
-        return {"num_batches": max(1, min(n, round(n / bs)))}
-    if kind == "random_allocation":
-        k = count("num_selected", num_selected, 1)
-        return {"num_steps": max(k, round(n * k / bs)), "num_selected": k}
-    raise ValueError(f"sampler {kind!r} is not drawn by a dpcore.sampling sampler")
+    cls = sampler_class(kind)
+    opts = {k: v for k, v in (("max_batch_size", max_batch_size), ("num_selected", num_selected)) if k in cls.options}
+    return cls.for_batch_size(n, bs, seed=seed, ledger=ledger, **opts)
 
 
-def build(kind: str, n: int, batch_size: float, *, max_batch_size: Any = None, num_selected: Any = 1,
-          seed: Optional[int] = None, ledger: Any = None) -> Any:
-    """The :mod:`dpcore.sampling` sampler of ``kind`` (see :func:`shape`), recording in ``ledger``."""
-    from . import sampling
-
-    cls = {
-        "truncated_poisson": "TruncatedPoissonSampler",
-        "balls_in_bins": "BallsInBinsSampler",
-        "random_allocation": "RandomAllocationSampler",
-    }
-    args = shape(kind, n, batch_size, max_batch_size, num_selected)
-    return getattr(sampling, cls[kind])(n, *args.values(), seed=seed, ledger=ledger)
+def shape(kind: str, n: int, batch_size: float, max_batch_size: Any = None, num_selected: Any = 1) -> dict:
+    """The constructor arguments (after the population) of ``kind``'s sampler for n records and
+    an expected batch of ``batch_size``: what :func:`build` would give it."""
+    cfg = build(kind, n, batch_size, max_batch_size=max_batch_size, num_selected=num_selected).config()
+    cfg.pop("policy"), cfg.pop("population_size")
+    return cfg
 
 
 def config(sampler: Any) -> dict:
     """What identifies a built sampler's mechanism: its policy, population and arguments."""
-    out = {"policy": sampler.policy, "population_size": int(sampler.population_size)}
-    if sampler.policy == "truncated_poisson":
-        out.update(sampling_probability=float(sampler.sampling_probability), max_batch_size=int(sampler.max_batch_size))
-    elif sampler.policy == "balls_in_bins":
-        out.update(num_batches=int(sampler.steps_per_epoch))
-    else:
-        out.update(num_steps=int(sampler.steps_per_epoch), num_selected=int(getattr(sampler, "num_selected", 1)))
-    return out
+    return sampler.config()
 
 
 def calibration_accountant(kind: str, accountant: Optional[str]) -> str:
-    """``accountant`` for a calibration of ``kind`` (None: :func:`default_accountant`); PLD for
-    an allocation sampler is refused (no certified PLD analysis of it is implemented)."""
-    if accountant is None:
-        return default_accountant(kind)
-    if accountant == "pld" and kind in ALLOCATION:
-        raise ValueError(
-            f"sampler={kind!r} has no certified PLD analysis (only Monte Carlo estimates are published, which are not "
-            "upper bounds); it is calibrated and accounted with accountant='rdp' (the default for it)"
-        )
-    return accountant
+    """``accountant`` for a calibration of ``kind`` (:func:`dpcore.plan.calibration_accountant`)."""
+    return plan_accountant(kind, accountant)
 
 
 def planned_steps(sampler: Any, epochs: Any) -> int:
-    """The steps of ``epochs`` passes over the data with ``sampler``: ``epochs`` × round(1/q)
-    Poisson steps for truncated Poisson, ``epochs`` epochs of b batches for balls-in-bins, and
-    for random allocation (each round of t steps is k passes) ⌈epochs/k⌉ whole rounds: the
-    ledger counts a round cut short as a whole round, so that is what ``epochs`` costs."""
-    e = count("epochs", epochs, 1)
-    t = int(sampler.steps_per_epoch)
-    if sampler.policy == "random_allocation":
-        k = int(getattr(sampler, "num_selected", 1))
-        return -(-e // k) * t
-    return e * t
-
-
-def calibrate(sampler: Any, target_epsilon: Any, target_delta: Any, steps: int, accountant: Optional[str],
-              rel: float = 1e-5) -> float:
-    """The smallest noise multiplier z, to ``rel`` relative and from above, such that ``steps``
-    steps of ``sampler`` — its own :meth:`accountant_event`, the event its ledger entries
-    become — are (``target_epsilon``, ``target_delta``)-DP under ``accountant`` (None: the
-    sampler's own, :func:`default_accountant`).
-
-    The search (:func:`dpcore.accounting.samplers.calibrate_noise_for`) starts from the Poisson
-    calibration at the sampler's rate and returns only a z whose ε was evaluated and met the
-    target, with the margin the ledger's rounding of z needs."""
-    from .accounting.samplers import calibrate_noise_for, poisson_start
-
-    acct = calibration_accountant(sampler.policy, accountant)
-    s = count("steps", steps, 1)
-    start = poisson_start(target_epsilon, target_delta, float(sampler.sampling_probability), s)
-    return calibrate_noise_for(
-        lambda z: sampler.accountant_event(z, s), target_epsilon, target_delta, acct, start=start, rel=rel
-    )
+    """The steps of ``epochs`` passes over the data with ``sampler``: its class's
+    :meth:`~dpcore.sampling.Sampler.steps_for_epochs`, the formula every front end plans with."""
+    count("epochs", epochs, 1)
+    return sampler.steps_for(epochs)
 
 
 def check_noise_or_target(noise_multiplier: Any, target_epsilon: Any, target_delta: Any, who: str) -> None:
@@ -194,3 +153,16 @@ def check_noise_or_target(noise_multiplier: Any, target_epsilon: Any, target_del
         _positive("target_epsilon", target_epsilon)
         if target_delta is None:
             raise TypeError("target_epsilon needs target_delta")
+
+
+def wants_target(noise_multiplier: Any, target_epsilon: Any, target_delta: Any, epochs: Any, who: str) -> bool:
+    """Whether a ``make_private`` was given a target ε (with δ and the planned epochs) to
+    calibrate the noise for instead of ``noise_multiplier``; the arguments checked."""
+    if target_epsilon is None and target_delta is None:
+        return False
+    if target_epsilon is None:
+        raise TypeError("target_delta goes with target_epsilon (σ calibrated to (target_epsilon, target_delta))")
+    check_noise_or_target(noise_multiplier, target_epsilon, target_delta, who)
+    if epochs is None:
+        raise TypeError("target_epsilon needs epochs= (the planned epochs the noise multiplier is calibrated for)")
+    return True

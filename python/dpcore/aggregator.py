@@ -15,21 +15,21 @@ import numpy as np
 
 from .ledger import FIXED_SIZE, POISSON, PrivacyLedger
 from ._attrs import readonly
+from ._names import renamed
 from ._validate import count, integer, probability
 from .queries.base import DPQuery
 from .sampling import (
-    BallsInBinsSampler,
-    CyclicBatches,
     CyclicPoissonSampler,
-    RandomAllocationSampler,
-    TruncatedPoissonSampler,
+    CyclicSampler,
+    Sampler,
     fixed_size_sample,
     poisson_sample,
+    registered_samplers,
+    sampler_class,
 )
 
-#: The samplers a PrivateAggregator draws from when given ``sampler=``.
-_CYCLIC = (CyclicBatches, CyclicPoissonSampler)
-_SAMPLERS = (*_CYCLIC, TruncatedPoissonSampler, RandomAllocationSampler)  # BallsInBinsSampler is one
+#: The samplers of the matrix-factorization participation schemas.
+_CYCLIC = (CyclicSampler, CyclicPoissonSampler)
 
 __all__ = ["PrivateAggregator", "RecordSpec"]
 
@@ -67,18 +67,19 @@ class PrivateAggregator:
     * ``query``: any :class:`dpcore.queries.DPQuery` (a :class:`NestedQuery` for several groups).
     * ``ledger``: a :class:`dpcore.ledger.PrivacyLedger` open for writing.
     * ``population_size``: n, the number of records (examples, users) sampled from.
-    * ``sampling_probability``: q for ``policy="poisson"`` (the default; the sampling the
-      subsampled-Gaussian accountant assumes, §5). For ``policy="fixed_size_without_replacement"``
-      give ``sample_size`` = b instead.
-    * ``sampler``: instead of a policy, a sampler of :mod:`dpcore.sampling` recording into
-      ``ledger``: :class:`~dpcore.sampling.TruncatedPoissonSampler` (Poisson with a cap on the
+    * ``sampling_probability``: q for ``sampler="poisson"`` (the default; the sampling the
+      subsampled-Gaussian accountant assumes, §5). For ``sampler="fixed_size_without_replacement"``
+      give ``sample_size`` = b instead. Those two the aggregator draws itself, by name.
+    * ``sampler``: one of those two names, or a sampler object of :mod:`dpcore.sampling`
+      recording into ``ledger``: :class:`~dpcore.sampling.TruncatedPoissonSampler` (Poisson with a cap on the
       batch), :class:`~dpcore.sampling.RandomAllocationSampler` or
       :class:`~dpcore.sampling.BallsInBinsSampler` (every record in exactly k of a round's t
-      steps), or :class:`~dpcore.sampling.CyclicBatches` /
+      steps), or :class:`~dpcore.sampling.CyclicSampler` /
       :class:`~dpcore.sampling.CyclicPoissonSampler`, the participation schemas of
       matrix-factorization queries (:class:`dpcore.queries.MatrixFactorizationQuery`, whose
       ``participation`` must be the sampler's; such a query takes no other sampler).
-      ``population_size`` must be the sampler's.
+      ``population_size`` must be the sampler's. (``policy=``, the name of the aggregator's own
+      draws before, is a deprecated alias of ``sampler=``.)
 
     ``sample()`` draws the indices from ChaCha20 and records the sampling event; ``aggregate``
     takes the records of exactly those indices (leading axis = sample size), runs the query's
@@ -94,14 +95,21 @@ class PrivateAggregator:
         sampling_probability: Optional[float] = None,
         *,
         sample_size: Optional[int] = None,
-        policy: str = POISSON,
         sampler: Any = None,
+        policy: Optional[str] = None,
     ) -> None:
         if not isinstance(query, DPQuery):
             raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.ledger.PrivacyLedger, got {type(ledger).__name__}")
         population_size = count("population_size", population_size, 1)
+        if policy is not None:
+            if isinstance(sampler, Sampler):
+                raise TypeError("give sampler= only (policy= is its old name, for the aggregator's own draws)")
+            sampler = renamed("sampler", sampler, "policy", policy, stacklevel=3)
+        policy = POISSON
+        if isinstance(sampler, str):
+            policy, sampler = _own_draws(sampler), None
         self._sampler = None
         if sampler is not None:
             _check_sampler(sampler, query, ledger, population_size, sampling_probability, sample_size)
@@ -109,22 +117,17 @@ class PrivateAggregator:
             policy = sampler.kind
         elif policy == POISSON:
             if sampling_probability is None:
-                raise ValueError("policy 'poisson' needs sampling_probability")
+                raise ValueError("sampler 'poisson' needs sampling_probability")
             if sample_size is not None:
-                raise ValueError("sample_size is for policy 'fixed_size_without_replacement'; poisson samples vary in size")
+                raise ValueError("sample_size is for sampler 'fixed_size_without_replacement'; poisson samples vary in size")
             probability("sampling_probability", sampling_probability)
         elif policy == FIXED_SIZE:
             if sample_size is None:
-                raise ValueError("policy 'fixed_size_without_replacement' needs sample_size")
+                raise ValueError("sampler 'fixed_size_without_replacement' needs sample_size")
             if not 0 <= integer("sample_size", sample_size) <= population_size:
                 raise ValueError(f"sample_size must be in [0, population_size={population_size}], got {sample_size}")
             if sampling_probability is not None and float(sampling_probability) != sample_size / population_size:
                 raise ValueError("sampling_probability must be None or sample_size/population_size")
-        else:
-            raise ValueError(
-                f"policy must be 'poisson' or 'fixed_size_without_replacement', got {policy!r} "
-                "(for shuffled epochs record samples with PrivacyLedger.record_sample(..., policy='shuffle'))"
-            )
         self._query = query
         self._ledger = ledger
         self._n = int(population_size)
@@ -185,15 +188,35 @@ class PrivateAggregator:
         return result
 
 
+#: The samplers a PrivateAggregator draws by name (``sampler="..."``), from its own arguments.
+OWN_DRAWS = (POISSON, FIXED_SIZE)
+
+
+def _own_draws(name: str) -> str:
+    """The policy of ``sampler=name``: one the aggregator draws itself, or a refusal that says
+    how to use another registered sampler."""
+    if name in OWN_DRAWS:
+        return name
+    if name in registered_samplers():
+        raise ValueError(
+            f"sampler={name!r} by name: the aggregator draws 'poisson' (with sampling_probability) and "
+            "'fixed_size_without_replacement' (with sample_size) itself; for any other sampler build its object, "
+            f"recording into this ledger (dpcore.sampling.{sampler_class(name).__name__}"
+            "(..., ledger=ledger)), and pass it as sampler= (for shuffled epochs, record samples with "
+            "PrivacyLedger.record_sample(..., policy='shuffle'))"
+        )
+    raise ValueError(f"sampler must be one of {OWN_DRAWS} by name, or a dpcore.sampling.Sampler; got {name!r}")
+
+
 def _check_sampler(
     sampler: Any, query: DPQuery, ledger: PrivacyLedger, n: int, q: Optional[float], b: Optional[int]
 ) -> None:
     """A sampler fit for this aggregator: recording into its ledger, over its population, and,
     for a matrix-factorization query, cyclic in the participation schema the query declares."""
-    if not isinstance(sampler, _SAMPLERS):
+    if not isinstance(sampler, Sampler) or type(sampler).name not in registered_samplers():
         raise TypeError(
-            "sampler must be a dpcore.sampling TruncatedPoissonSampler, RandomAllocationSampler, BallsInBinsSampler, "
-            f"CyclicBatches or CyclicPoissonSampler, got {type(sampler).__name__}"
+            "sampler must be a registered dpcore.sampling.Sampler (TruncatedPoissonSampler, RandomAllocationSampler, "
+            f"BallsInBinsSampler, CyclicSampler, CyclicPoissonSampler, ...), got {type(sampler).__name__}"
         )
     if q is not None or b is not None:
         raise ValueError("give sampling_probability/sample_size or a sampler, not both (the sampler has its own)")
@@ -206,7 +229,7 @@ def _check_sampler(
         if part is not None:
             raise ValueError(
                 f"the query is a matrix-factorization query ({part.describe()}): its noise's sensitivity holds for "
-                f"cyclic participation only, not for {type(sampler).__name__}; draw with CyclicBatches or "
+                f"cyclic participation only, not for {type(sampler).__name__}; draw with CyclicSampler or "
                 "CyclicPoissonSampler"
             )
         return

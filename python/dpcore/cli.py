@@ -5,8 +5,8 @@
   (:func:`dpcore.accounting.epsilon`, :class:`dpcore.accounting.PldAccountant`).
 * ``dpcore calibrate --epsilon E --delta D`` with two of ``-q``, ``-z``, ``--steps/--epochs``:
   the missing one (:mod:`dpcore.accounting.calibration`).
-* ``--mechanism mf`` (both commands): a matrix-factorization (correlated noise, DP-FTRL)
-  mechanism instead of DP-SGD, with ``--min-separation B`` (records cut once into B fixed
+* ``--noise-mechanism banded|blt`` (both commands): a matrix-factorization (correlated noise,
+  DP-FTRL) mechanism instead of DP-SGD (``gaussian``, the default), with ``--min-separation B`` (records cut once into B fixed
   batches, batch t mod B at step t), ``--steps N`` or ``--epochs E`` (E·B steps), and ``-q P``
   for cyclic Poisson sampling (each record of the group with probability P). ``-z`` is the
   *effective* noise multiplier σ/(S·sens); ``--strategy FILE`` (a strategy's JSON,
@@ -34,12 +34,20 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-
-class DataError(Exception):
-    """Bad data (exit code 1), as opposed to bad arguments (exit code 2)."""
-
-
-# -- argument types: each rejects a bad value with argparse's exit code 2 --------------------
+from ._cli_options import (  # noqa: F401 (epsilon_summary, mf_summary, sampler_table, DataError: public here)
+    DataError,
+    NOISE_MECHANISMS,
+    _check_sampler_args,
+    _mf,
+    _mf_text,
+    _noise_mechanism,
+    _participation,
+    _sampler_kw,
+    _strategy,
+    epsilon_summary,
+    mf_summary,
+    sampler_table,
+)
 
 
 def _float(name: str, lo: float, hi: float, lo_open: bool, hi_open: bool = False) -> Any:
@@ -83,202 +91,40 @@ _EPS = _float("--epsilon", 0.0, math.inf, True, True)
 def _steps_of(args: argparse.Namespace, parser: argparse.ArgumentParser, q: Optional[float]) -> Optional[int]:
     if args.steps is not None and args.epochs is not None:
         parser.error("give --steps or --epochs, not both")
-    if args.mechanism == "mf":
+    if _mf(args):
         if args.min_separation is None:
-            parser.error("--mechanism mf needs --min-separation (the batches of one epoch: a record takes part at most once every that many steps)")
+            parser.error(f"--noise-mechanism {args.noise_mechanism} needs --min-separation (the batches of one epoch: a "
+                         "record takes part at most once every that many steps)")
         if args.epochs is not None:
             return max(1, math.ceil(args.epochs * args.min_separation))
         return args.steps
     for flag in ("min_separation", "strategy"):
         if getattr(args, flag) is not None:
-            parser.error(f"--{flag.replace('_', '-')} is a matrix-factorization option; add --mechanism mf")
+            parser.error(f"--{flag.replace('_', '-')} is a matrix-factorization option; add --noise-mechanism banded (or blt)")
     if args.epochs is not None:
         if q is None:
             parser.error("--epochs needs -q (an epoch is 1/q steps)")
-        return max(1, math.ceil(args.epochs / q))
+        # the plan's formula, the one every front end uses (dpcore.plan.steps_for_epochs)
+        from .plan import steps_for_epochs
+
+        sampler = getattr(args, "sampler", None)
+        sampler = "poisson" if sampler in (None, "all") else sampler
+        opts: Dict[str, Any] = {}
+        if sampler == "random_allocation":
+            opts["num_selected"] = getattr(args, "num_selected", 1)
+        spe = getattr(args, "steps_per_epoch", None) if sampler in ("shuffle", "sequential", "cyclic") else None
+        try:
+            return steps_for_epochs(sampler, args.epochs, q, steps_per_epoch=spe, **opts)
+        except ValueError as e:
+            parser.error(str(e))
     return args.steps
 
 
 # -- the subcommands -----------------------------------------------------------------------
 
 
-def epsilon_summary(q: float, z: float, steps: int, delta: float, accountant: str = "pld") -> Dict[str, Any]:
-    """ε of ``steps`` Poisson-subsampled Gaussian steps at ``delta``: under ``accountant``,
-    with RDP and PLD (and the PLD lower bound) beside it."""
-    from .accounting import PldAccountant, PoissonSampledEvent, GaussianEvent, SelfComposedEvent, epsilon
-
-    pld = PldAccountant().compose(SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(z)), steps))
-    lower, upper = pld.get_epsilon_bounds(delta)
-    rdp = epsilon(q, z, steps, delta, accountant="rdp")
-    main = upper if accountant == "pld" else rdp
-    return {
-        "epsilon": main,
-        "accountant": accountant,
-        "delta": delta,
-        "sampling_probability": q,
-        "noise_multiplier": z,
-        "steps": steps,
-        "epsilon_pld": upper,
-        "epsilon_pld_lower_bound": lower,
-        "epsilon_rdp": rdp,
-    }
-
-
-def _participation(args: argparse.Namespace) -> Any:
-    from .matrix_factorization import Participation
-
-    if args.q is not None:
-        return Participation.cyclic_poisson(args.min_separation, args.q)
-    return Participation.cyclic(args.min_separation)
-
-
-def _strategy(path: Optional[str], participation: Any) -> Any:
-    """The strategy in the JSON file ``path`` (None: none given), checked against the schema."""
-    if path is None:
-        return None
-    from .matrix_factorization import strategy_from_dict
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except OSError as e:
-        raise DataError(f"{path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise DataError(f"{path}: not a JSON file: {e}") from None
-    try:
-        strategy = strategy_from_dict(d)
-        if participation.kind == "cyclic_poisson":
-            strategy.check_cyclic_poisson(participation)
-    except (TypeError, ValueError) as e:
-        raise DataError(f"{path}: {e}") from None
-    return strategy
-
-
-def mf_summary(
-    participation: Any, z: float, steps: int, delta: float, accountant: str = "pld", strategy: Any = None
-) -> Dict[str, Any]:
-    """ε of ``steps`` steps of a matrix-factorization mechanism at effective noise multiplier
-    ``z`` (:func:`dpcore.matrix_factorization.epsilon`), with PLD, its lower bound and RDP beside
-    it; with a ``strategy``, its sensitivity and the stddev per unit of clip norm σ/S = z·sens."""
-    from .matrix_factorization import stddev_for
-
-    p = participation.sampling_probability
-    k = participation.participations(steps)
-    # The composition the MF run is (see dpcore.matrix_factorization._accounting): one Gaussian
-    # mechanism for fixed batches, k Poisson-sampled Gaussian participations for cyclic Poisson.
-    out = epsilon_summary(1.0, z, 1, delta, accountant) if p is None else epsilon_summary(p, z, k, delta, accountant)
-    out.update(
-        mechanism="mf",
-        noise_multiplier=z,
-        steps=steps,
-        sampling_probability=p,
-        participation=participation.to_dict(),
-        participation_schema=participation.describe(),
-        participations=k,
-    )
-    if strategy is not None:
-        sens = strategy.sensitivity(steps, participation)
-        out.update(
-            strategy=strategy.to_dict(),
-            strategy_description=strategy.describe(),
-            sensitivity=sens,
-            stddev_per_unit_clip=stddev_for(z, 1.0, strategy, participation, steps),
-        )
-    return out
-
-
-def _mf_text(out: Dict[str, Any]) -> str:
-    k = out["participations"]
-    text = f"{out['steps']} steps of matrix factorization, {out['participation_schema']} ({k} participation(s))"
-    if "sensitivity" in out:
-        text += (
-            f"\n  strategy: {out['strategy_description']}; sensitivity {out['sensitivity']:.6g}; "
-            f"noise stddev σ = {out['stddev_per_unit_clip']:.6g}·S (S the clip norm)"
-        )
-    return text
-
-
-def _sampler_kw(args: argparse.Namespace, parser: argparse.ArgumentParser, sampler: str) -> Dict[str, Any]:
-    """The keyword arguments of :func:`dpcore.accounting.sampler_event` for ``sampler``."""
-    if sampler == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
-        parser.error("--sampler truncated_poisson needs --population-size and --max-batch-size")
-    epochal = sampler in ("shuffle", "sequential", "cyclic")
-    if args.steps_per_epoch is not None and not epochal:
-        parser.error("--steps-per-epoch is an option of --sampler shuffle, sequential and cyclic")
-    return {
-        "sampling_probability": args.q,
-        "population_size": args.population_size if sampler == "truncated_poisson" else None,
-        "max_batch_size": args.max_batch_size if sampler == "truncated_poisson" else None,
-        "num_selected": args.num_selected if sampler == "random_allocation" else 1,
-        "neighboring": _relation(args, sampler),
-        "steps_per_epoch": args.steps_per_epoch if epochal else None,
-    }
-
-
-def _relation(args: argparse.Namespace, sampler: str) -> str:
-    """The relation asked for (``--neighboring``), else the sampler's default one."""
-    from .accounting.samplers import DEFAULT_RELATION
-
-    return args.neighboring or DEFAULT_RELATION[sampler]
-
-
-def _check_sampler_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
-    """The sampler asked for (None: Poisson DP-SGD as before), its options checked."""
-    sampler = getattr(args, "sampler", None)
-    if sampler is None or sampler == "poisson":
-        for flag in ("max_batch_size", "population_size"):
-            if getattr(args, flag, None) is not None:
-                parser.error(f"--{flag.replace('_', '-')} is an option of --sampler truncated_poisson (or all)")
-        if getattr(args, "steps_per_epoch", None) is not None:
-            parser.error("--steps-per-epoch is an option of --sampler shuffle, sequential and cyclic")
-        if getattr(args, "neighboring", None) not in (None, "add_or_remove", "zero_out"):
-            parser.error("Poisson sampling is analysed under --neighboring add_or_remove (or zero_out) only")
-        if getattr(args, "num_selected", 1) != 1:
-            parser.error("--num-selected is an option of --sampler random_allocation (or all)")
-        return None
-    if args.mechanism == "mf":
-        parser.error("--sampler is for DP-SGD; matrix-factorization mechanisms use cyclic schemas (--min-separation)")
-    if args.q is None:
-        parser.error("--sampler needs -q (the rate: q, or k/t and 1/b for the allocation samplers)")
-    return sampler
-
-
-def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, steps: int) -> Dict[str, Any]:
-    """ε of the same (q, σ, steps) under every sampler that the arguments allow, beside
-    Poisson's (``dpcore epsilon --sampler all``)."""
-    from .accounting.samplers import ACCOUNTED_SAMPLERS, GUARANTEES, default_accountant, sampler_epsilon
-
-    # one relation for the whole table: ε is never compared across relations
-    relation = args.neighboring or "add_or_remove"
-    args.neighboring = relation
-    rows = []
-    for name in ACCOUNTED_SAMPLERS:
-        if name == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
-            continue
-        if name == "random_allocation" and args.num_selected == 1:
-            continue  # k = 1 is balls-in-bins
-        acct = default_accountant(name, args.accountant)
-        try:
-            eps = sampler_epsilon(name, args.z, steps, args.delta, accountant=acct, **_sampler_kw(args, parser, name))
-        except ValueError as e:
-            rows.append({"sampler": name, "error": str(e)})
-            continue
-        rows.append({"sampler": name, "epsilon": eps, "accountant": acct, "guarantee": GUARANTEES[name]})
-    poisson = next((r.get("epsilon") for r in rows if r["sampler"] == "poisson"), None)
-    lines = [f"ε at δ = {args.delta:g} after {steps} steps, q = {args.q:g}, σ = {args.z:g}, neighbouring relation "
-             f"{relation}:"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"  {r['sampler']:<18} n/a ({r['error']})")
-            continue
-        r["ratio_to_poisson"] = (r["epsilon"] / poisson if poisson > 0 else math.inf) if poisson is not None else None
-        ratio = f"{r['ratio_to_poisson']:.3g}× Poisson" if r["ratio_to_poisson"] is not None else "Poisson n/a"
-        lines.append(f"  {r['sampler']:<18} {r['epsilon']:<10.6g} ({r['accountant']}; {ratio}) {r['guarantee']}")
-    return {"delta": args.delta, "steps": steps, "sampling_probability": args.q, "noise_multiplier": args.z,
-            "neighboring": relation, "samplers": rows, "text": "\n".join(lines)}
-
-
 def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    _noise_mechanism(args, parser)
     steps = _steps_of(args, parser, args.q)
     if steps is None:
         parser.error("give --steps or --epochs")
@@ -310,11 +156,12 @@ def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> D
             ),
         }
     args.accountant = args.accountant or "pld"
-    if args.mechanism == "mf":
+    if _mf(args):
         part = _participation(args)
-        strategy = _strategy(args.strategy, part)
+        strategy = _strategy(args.strategy, part, args.noise_mechanism)
         with _Spinner("accounting"):
             out = mf_summary(part, args.z, steps, args.delta, args.accountant, strategy)
+        out["noise_mechanism"] = args.noise_mechanism
         out["text"] = (
             f"ε = {out['epsilon']:.6g} at δ = {args.delta:g} ({args.accountant}) at effective noise multiplier "
             f"z = σ/(S·sens) = {args.z:g}\n  PLD {out['epsilon_pld']:.6g} (lower bound {out['epsilon_pld_lower_bound']:.6g}), "
@@ -336,6 +183,7 @@ def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> D
 def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     from .accounting import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
 
+    _noise_mechanism(args, parser)
     steps = _steps_of(args, parser, args.q)
     sampler = _check_sampler_args(args, parser)
     if sampler == "all":
@@ -343,7 +191,7 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if sampler is not None:
         return _calibrate_sampler(args, parser, sampler, steps)
     args.accountant = args.accountant or "pld"
-    if args.mechanism == "mf":
+    if _mf(args):
         return _calibrate_mf(args, parser, steps)
     given = [args.q is not None, args.z is not None, steps is not None]
     if sum(given) != 2:
@@ -373,7 +221,8 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 def _calibrate_sampler(args: argparse.Namespace, parser: argparse.ArgumentParser, sampler: str, steps: Optional[int]) -> Dict[str, Any]:
     """Noise multiplier or steps for a target ε under one sampler's own accounting (the rate
     -q fixes the sampler's batches, so it is not calibrated here)."""
-    from .accounting.samplers import calibrate_sampler_noise, calibrate_sampler_steps, default_accountant
+    from .accounting.samplers import calibrate_sampler_steps, default_accountant
+    from .plan import calibrate_noise
 
     if (args.z is None) == (steps is None):
         parser.error(f"--sampler {sampler}: give -q and one of -z and --steps/--epochs; the other is calibrated")
@@ -383,7 +232,7 @@ def _calibrate_sampler(args: argparse.Namespace, parser: argparse.ArgumentParser
                            "sampling_probability": args.q, "neighboring": kw["neighboring"]}
     with _Spinner("calibrating"):
         if args.z is None:
-            z = calibrate_sampler_noise(args.epsilon, args.delta, sampler, steps, accountant=acct, **kw)
+            z = calibrate_noise(args.epsilon, args.delta, sampler=sampler, steps=steps, accountant=acct, **kw)
             out.update(noise_multiplier=z, steps=steps)
             text = f"noise multiplier σ = {z:.6g} ({sampler} sampling, q = {args.q:g}, {steps} steps)"
         else:
@@ -400,13 +249,14 @@ def _calibrate_mf(args: argparse.Namespace, parser: argparse.ArgumentParser, ste
     from .matrix_factorization import calibrate_noise_multiplier
 
     if steps is None or args.z is not None:
-        parser.error("--mechanism mf calibrates the noise multiplier: give --steps or --epochs, not -z")
+        parser.error(f"--noise-mechanism {args.noise_mechanism} calibrates the noise multiplier: give --steps or --epochs, not -z")
     part = _participation(args)
-    strategy = _strategy(args.strategy, part)
+    strategy = _strategy(args.strategy, part, args.noise_mechanism)
     with _Spinner("calibrating"):
         z = calibrate_noise_multiplier(args.epsilon, args.delta, participation=part, steps=steps, accountant=args.accountant)
         summary = mf_summary(part, z, steps, args.delta, args.accountant, strategy)
     out: Dict[str, Any] = {k: v for k, v in summary.items() if not k.startswith("epsilon")}
+    out["noise_mechanism"] = args.noise_mechanism
     out.update(epsilon=args.epsilon, delta=args.delta, accountant=args.accountant, epsilon_achieved=summary["epsilon"])
     out["text"] = (
         f"effective noise multiplier z = σ/(S·sens) = {z:.6g} for ε = {args.epsilon:g} at δ = {args.delta:g} "
@@ -618,29 +468,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     def mf_options(sp: argparse.ArgumentParser) -> None:
         g = sp.add_argument_group(
-            "matrix factorization (--mechanism mf)",
+            "matrix factorization (--noise-mechanism banded|blt)",
             "Correlated noise (DP-FTRL): the records are cut once into B fixed batches (or groups) and batch "
             "t mod B is used at step t. -z is the effective noise multiplier z = σ/(S·sens(C)): with fixed "
             "batches ε is the Gaussian mechanism's at z whatever the strategy C; with -q P (cyclic Poisson "
             "sampling, each record of the group with probability P; banded C with at most B bands) ε is that "
             "of ceil(steps/B) Poisson-sampled Gaussian steps at P and z. --epochs E means E·B steps.",
         )
-        g.add_argument("--mechanism", choices=["dpsgd", "mf"], default="dpsgd",
-                       help="dpsgd (default): Poisson-sampled Gaussian steps; mf: matrix factorization")
+        g.add_argument("--noise-mechanism", choices=list(NOISE_MECHANISMS), default=None,
+                       help="gaussian (default): DP-SGD's independent noise, sampled steps; banded, blt: the correlated "
+                            "noise of a banded or BLT matrix factorization (-q with banded only)")
+        # the old spelling, deprecated: dpsgd is gaussian, mf the --strategy file's kind (else banded)
+        g.add_argument("--mechanism", choices=["dpsgd", "mf"], default=None, help=argparse.SUPPRESS)
         g.add_argument("--min-separation", type=_count("--min-separation"), metavar="B",
-                       help="mf: batches per epoch; a record takes part at most once every B steps")
+                       help="banded, blt: batches per epoch; a record takes part at most once every B steps")
         g.add_argument("--strategy", metavar="FILE",
-                       help='mf: a strategy as JSON (strategy.to_dict(), e.g. {"kind": "banded", "coefficients": '
+                       help='banded, blt: a strategy as JSON (strategy.to_dict(), e.g. {"kind": "banded", "coefficients": '
                             '[1.0, 0.6, 0.2]} or {"kind": "blt", "theta": [...], "omega": [...]}): adds its '
                             "sensitivity and the noise stddev σ = z·S·sens to use")
 
-    e = sub.add_parser("epsilon", help="ε of DP-SGD (or of a matrix-factorization mechanism, --mechanism mf) for a "
+    e = sub.add_parser("epsilon", help="ε of DP-SGD (or of a matrix-factorization mechanism, --noise-mechanism banded|blt) for a "
                        "sampling probability, noise multiplier and steps")
     e.add_argument("-q", "--sampling-probability", dest="q", type=_Q,
-                   help="the sampling probability (required for DP-SGD; for mf: cyclic Poisson sampling)")
+                   help="the sampling probability (required for DP-SGD; for banded: cyclic Poisson sampling)")
     e.add_argument("-z", "--noise-multiplier", dest="z", type=_Z, required=True)
     e.add_argument("--steps", type=_count("--steps"))
-    e.add_argument("--epochs", type=_epochs, help="instead of --steps: ceil(epochs/q) steps (mf: epochs·B)")
+    e.add_argument("--epochs", type=_epochs, help="instead of --steps: ceil(epochs·k) steps, k the sampler's epoch (Poisson: round(1/q); banded, blt: B)")
     e.add_argument("--delta", type=_DELTA, required=True)
     e.add_argument("--accountant", choices=["pld", "rdp"], default=None,
                    help="default: pld, or the tightest certified accountant of --sampler")
@@ -649,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(e)
 
     c = sub.add_parser("calibrate", help="the noise multiplier, sampling probability or steps for a target ε "
-                       "(--mechanism mf: the effective noise multiplier of a matrix-factorization mechanism)")
+                       "(--noise-mechanism banded|blt: the effective noise multiplier of a matrix-factorization mechanism)")
     c.add_argument("--epsilon", type=_EPS, required=True)
     c.add_argument("--delta", type=_DELTA, required=True)
     c.add_argument("-q", "--sampling-probability", dest="q", type=_Q)

@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 import dpcore
+from dpcore.plan import steps_for_epochs
 from dpcore.events import SumQueryEvent
 
 
@@ -69,7 +70,7 @@ def train(x, y, cfg: DemoConfig, private: bool):
     k = int(y.max()) + 1
     w, b = np.zeros((d, k)), np.zeros(k)
     q = cfg.expected_batch_size / n
-    steps = int(round(cfg.epochs / q))
+    steps = steps_for_epochs("poisson", cfg.epochs, q)  # the plan's formula: round(1/q) steps an epoch
     seed = cfg.seed
     led = dpcore.PrivacyLedger(cfg.ledger) if private and cfg.ledger else None
     for t in range(steps):

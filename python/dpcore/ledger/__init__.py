@@ -68,7 +68,7 @@ from .._attrs import readonly
 from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_accountant
 from ..events import SelfComposedEvent
 from ._events import analysis_relation, check_neighboring, rdp_relation_error, run_relation, samples_to_event
-from ._storage import (
+from ._entries import (
     ALLOCATION_POLICIES,
     BALLS_IN_BINS,
     CYCLIC,
@@ -83,21 +83,18 @@ from ._storage import (
     SHUFFLE,
     VERSION,
     LedgerError,
-    LedgerFile,
     LedgerSample,
     LedgerWarning,
-    SampleLog,
     TornTail,
     _release_entries,
-    _replace,
     _sample_entry,
     _stream_entries,
     _tuples_of,
     check_round,
     last_round_of,
-    read_ledger,
     streams_of,
 )
+from ._storage import LedgerFile, SampleLog, _replace, read_ledger
 
 __all__ = [
     "PrivacyLedger",
@@ -333,7 +330,7 @@ class PrivacyLedger:
         """The matrix-factorization streams recorded, by id: each one's
         :class:`~dpcore.matrix_factorization.StreamDeclaration` (strategy, participation schema,
         planned steps), as its first release declared it."""
-        from ._storage import _declaration
+        from ._entries import _declaration
 
         return {sid: _declaration(text) for sid, text in self._streams.items()}
 

@@ -78,9 +78,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
 from ..events import effective_noise_multiplier
-from ._storage import (
+from ..sampling import sampler_class
+from ._entries import (
     ALLOCATION_POLICIES,
-    BALLS_IN_BINS,
     CYCLIC,
     CYCLIC_POISSON,
     EPOCH_POLICIES,
@@ -113,7 +113,7 @@ def run_relation(samples: Any) -> str:
     shuffled, fixed-order or fixed batches (or a matrix-factorization stream), else
     ``add_or_remove``."""
     for s, _ in _runs(samples):
-        if s.released and (s.policy in UNAMPLIFIED_POLICIES or s.stream_queries()):
+        if s.released and (not sampler_class(s.policy).amplified or s.stream_queries()):
             return "zero_out"
     return "add_or_remove"
 
@@ -242,7 +242,6 @@ def samples_to_event(
     from .. import accounting as acc
 
     check_neighboring(neighboring)
-    half = neighboring != "zero_out"  # a step of a batch that a record's removal shifts: a swap, 2C
     events: List[Any] = []
     shuffled = cyclic = seeded = 0
 
@@ -268,21 +267,8 @@ def samples_to_event(
             return
         if math.isinf(z_min):
             return  # only steps of matrix-factorization streams (refused on these policies anyway)
-        if first.policy in EPOCH_POLICIES:
-            if neighboring == "zero_out":
-                add(gaussian(z_min, discrete), 1)
-            elif neighboring == "replace_one":
-                add(gaussian(z_min / 2.0, discrete), 1)
-            elif first.policy == SHUFFLE and first.round_steps >= 5:
-                add(gaussian(z_min / math.sqrt(5.0), discrete), 1)
-            else:
-                add(gaussian(z_min / 2.0, discrete), m)
-            return
-        base = gaussian(z_min, discrete)
-        if first.policy == BALLS_IN_BINS:
-            add(acc.BallsInBinsSampledEvent(first.round_steps, base), 1)
-        else:
-            add(acc.RandomAllocationSampledEvent(first.round_steps, first.round_selected, base), 1)
+        ev, n = sampler_class(first.policy).round_event(first, z_min, m, neighboring, lambda z: gaussian(z, discrete), acc)
+        add(ev, n)
 
     for s, count in _runs(samples):
         if not s.released:
@@ -315,24 +301,14 @@ def samples_to_event(
         # product's curve is α/(2z²) either way (CKS 2020, Theorem 14).
         if z == 0.0:
             ev: Any = acc.NonPrivateEvent()
-        elif s.policy in (POISSON, FIXED_SIZE, TRUNCATED_POISSON):
-            zs = z * (0.5 if neighboring == "replace_one" else 1.0)
-            base = gaussian(zs, s.discrete)
-            if s.policy == POISSON or neighboring == "zero_out":
-                # zero-out: the zeroed record is in the sample with probability q (b/n without
-                # replacement; at most q under the cap) and contributes what a removed one would
-                ev = acc.PoissonSampledEvent(s.sampling_probability, base)
-            elif s.policy == FIXED_SIZE:
-                ev = acc.SampledWithoutReplacementEvent(s.population_size, s.sample_size, base)
-            else:
-                ev = acc.TruncatedPoissonSampledEvent(s.sampling_probability, s.sample_size, s.population_size, base)
         else:
-            if s.policy in EPOCH_POLICIES:
-                shuffled += count
-            else:
-                cyclic += count
-            # without its epoch, a step alone: C under zero-out, a swap (2C) otherwise
-            ev = gaussian(z / 2.0 if half else z, s.discrete)
+            cls = sampler_class(s.policy)
+            if not cls.amplified:
+                if cls.rounds == "epoch":
+                    shuffled += count
+                else:
+                    cyclic += count
+            ev = cls.step_event(s, z, neighboring, lambda z, d=s.discrete: gaussian(z, d), acc)
         add(ev, count)
     close_round()
     for stream in account_streams(samples, path):

@@ -1,0 +1,245 @@
+"""The ``dpcore`` command line's options for the axes of a run, resolved into the plan's terms:
+the summary of DP-SGD's ε, the noise mechanisms (``--noise-mechanism``, matrix-factorization
+participation and strategy files) and the samplers (``--sampler``, ``--neighboring``). Kept
+apart from :mod:`dpcore.cli`, which parses and dispatches the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, Dict, Optional
+
+
+class DataError(Exception):
+    """Bad data (exit code 1), as opposed to bad arguments (exit code 2)."""
+
+
+# -- argument types: each rejects a bad value with argparse's exit code 2 --------------------
+
+
+def epsilon_summary(q: float, z: float, steps: int, delta: float, accountant: str = "pld") -> Dict[str, Any]:
+    """ε of ``steps`` Poisson-subsampled Gaussian steps at ``delta``: under ``accountant``,
+    with RDP and PLD (and the PLD lower bound) beside it."""
+    from .accounting import PldAccountant, PoissonSampledEvent, GaussianEvent, SelfComposedEvent, epsilon
+
+    pld = PldAccountant().compose(SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(z)), steps))
+    lower, upper = pld.get_epsilon_bounds(delta)
+    rdp = epsilon(q, z, steps, delta, accountant="rdp")
+    main = upper if accountant == "pld" else rdp
+    return {
+        "epsilon": main,
+        "accountant": accountant,
+        "delta": delta,
+        "sampling_probability": q,
+        "noise_multiplier": z,
+        "steps": steps,
+        "epsilon_pld": upper,
+        "epsilon_pld_lower_bound": lower,
+        "epsilon_rdp": rdp,
+    }
+
+
+#: The values of --noise-mechanism that apply to the accounting commands (the discrete Gaussian
+#: is a training-time choice, accounted from its ledger: ``dpcore report``).
+NOISE_MECHANISMS = ("gaussian", "banded", "blt")
+_MF = ("banded", "blt")
+
+
+def _mf(args: argparse.Namespace) -> bool:
+    return args.noise_mechanism in _MF
+
+
+def _strategy_kind(path: Optional[str]) -> Optional[str]:
+    """The ``kind`` of the strategy JSON at ``path`` if it can be read ("banded" or "blt"), else None."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            kind = json.load(f).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in _MF else None
+
+
+def _noise_mechanism(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``args.noise_mechanism`` resolved: the flag, or from the deprecated ``--mechanism dpsgd|mf``
+    (mf: the kind of the ``--strategy`` file, else banded; ε does not depend on the strategy)."""
+    old = getattr(args, "mechanism", None)
+    if old is not None:
+        new = "gaussian" if old == "dpsgd" else (_strategy_kind(args.strategy) or "banded")
+        msg = f"--mechanism {old} is deprecated: it is --noise-mechanism {new} now"
+        import warnings
+
+        warnings.warn(msg, DeprecationWarning, stacklevel=2)
+        print(f"dpcore {args.command}: warning: {msg}", file=sys.stderr)
+        given = args.noise_mechanism
+        if given is not None and (given in _MF) != (new in _MF):
+            parser.error(f"give --noise-mechanism only (--mechanism {old} is its old form, and says {new})")
+        args.noise_mechanism = given or new
+    if args.noise_mechanism is None:
+        args.noise_mechanism = "gaussian"
+    if args.noise_mechanism == "blt" and args.q is not None:
+        parser.error(
+            "--noise-mechanism blt with -q (cyclic Poisson sampling): amplified matrix factorization needs a banded "
+            "strategy with at most --min-separation bands (Choquette-Choo et al. 2023); use --noise-mechanism banded"
+        )
+
+
+def _participation(args: argparse.Namespace) -> Any:
+    from .matrix_factorization import Participation
+
+    if args.q is not None:
+        return Participation.cyclic_poisson(args.min_separation, args.q)
+    return Participation.cyclic(args.min_separation)
+
+
+def _strategy(path: Optional[str], participation: Any, noise_mechanism: Optional[str] = None) -> Any:
+    """The strategy in the JSON file ``path`` (None: none given), checked against the schema
+    and against ``noise_mechanism`` (its kind)."""
+    if path is None:
+        return None
+    from .matrix_factorization import strategy_from_dict
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise DataError(f"{path}: not a JSON file: {e}") from None
+    try:
+        strategy = strategy_from_dict(d)
+        kind = "blt" if type(strategy).__name__ == "BLTStrategy" else "banded"
+        if noise_mechanism is not None and kind != noise_mechanism:
+            raise ValueError(f"a {kind} strategy, but --noise-mechanism {noise_mechanism}: give --noise-mechanism {kind}")
+        if participation.kind == "cyclic_poisson":
+            strategy.check_cyclic_poisson(participation)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{path}: {e}") from None
+    return strategy
+
+
+def mf_summary(
+    participation: Any, z: float, steps: int, delta: float, accountant: str = "pld", strategy: Any = None
+) -> Dict[str, Any]:
+    """ε of ``steps`` steps of a matrix-factorization mechanism at effective noise multiplier
+    ``z`` (:func:`dpcore.matrix_factorization.epsilon`), with PLD, its lower bound and RDP beside
+    it; with a ``strategy``, its sensitivity and the stddev per unit of clip norm σ/S = z·sens."""
+    from .matrix_factorization import stddev_for
+
+    p = participation.sampling_probability
+    k = participation.participations(steps)
+    # The composition the MF run is (see dpcore.matrix_factorization._accounting): one Gaussian
+    # mechanism for fixed batches, k Poisson-sampled Gaussian participations for cyclic Poisson.
+    out = epsilon_summary(1.0, z, 1, delta, accountant) if p is None else epsilon_summary(p, z, k, delta, accountant)
+    out.update(
+        mechanism="mf",
+        noise_multiplier=z,
+        steps=steps,
+        sampling_probability=p,
+        participation=participation.to_dict(),
+        participation_schema=participation.describe(),
+        participations=k,
+    )
+    if strategy is not None:
+        sens = strategy.sensitivity(steps, participation)
+        out.update(
+            strategy=strategy.to_dict(),
+            strategy_description=strategy.describe(),
+            sensitivity=sens,
+            stddev_per_unit_clip=stddev_for(z, 1.0, strategy, participation, steps),
+        )
+    return out
+
+
+def _mf_text(out: Dict[str, Any]) -> str:
+    k = out["participations"]
+    text = f"{out['steps']} steps of matrix factorization, {out['participation_schema']} ({k} participation(s))"
+    if "sensitivity" in out:
+        text += (
+            f"\n  strategy: {out['strategy_description']}; sensitivity {out['sensitivity']:.6g}; "
+            f"noise stddev σ = {out['stddev_per_unit_clip']:.6g}·S (S the clip norm)"
+        )
+    return text
+
+
+def _sampler_kw(args: argparse.Namespace, parser: argparse.ArgumentParser, sampler: str) -> Dict[str, Any]:
+    """The keyword arguments of :func:`dpcore.accounting.sampler_event` for ``sampler``."""
+    if sampler == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
+        parser.error("--sampler truncated_poisson needs --population-size and --max-batch-size")
+    epochal = sampler in ("shuffle", "sequential", "cyclic")  # the samplers with an epoch of their own
+    if args.steps_per_epoch is not None and not epochal:
+        parser.error("--steps-per-epoch is an option of --sampler shuffle, sequential and cyclic")
+    return {
+        "sampling_probability": args.q,
+        "population_size": args.population_size if sampler == "truncated_poisson" else None,
+        "max_batch_size": args.max_batch_size if sampler == "truncated_poisson" else None,
+        "num_selected": args.num_selected if sampler == "random_allocation" else 1,
+        "neighboring": _relation(args, sampler),
+        "steps_per_epoch": args.steps_per_epoch if epochal else None,
+    }
+
+
+def _relation(args: argparse.Namespace, sampler: str) -> str:
+    """The relation asked for (``--neighboring``), else the sampler's default one."""
+    from .sampling import sampler_class
+
+    return args.neighboring or sampler_class(sampler).default_relation
+
+
+def _check_sampler_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
+    """The sampler asked for (None: Poisson DP-SGD as before), its options checked."""
+    sampler = getattr(args, "sampler", None)
+    if sampler is None or sampler == "poisson":
+        for flag in ("max_batch_size", "population_size"):
+            if getattr(args, flag, None) is not None:
+                parser.error(f"--{flag.replace('_', '-')} is an option of --sampler truncated_poisson (or all)")
+        if getattr(args, "steps_per_epoch", None) is not None:
+            parser.error("--steps-per-epoch is an option of --sampler shuffle, sequential and cyclic")
+        if getattr(args, "neighboring", None) not in (None, "add_or_remove", "zero_out"):
+            parser.error("Poisson sampling is analysed under --neighboring add_or_remove (or zero_out) only")
+        if getattr(args, "num_selected", 1) != 1:
+            parser.error("--num-selected is an option of --sampler random_allocation (or all)")
+        return None
+    if _mf(args):
+        parser.error("--sampler is for DP-SGD; matrix-factorization mechanisms use cyclic schemas (--min-separation)")
+    if args.q is None:
+        parser.error("--sampler needs -q (the rate: q, or k/t and 1/b for the allocation samplers)")
+    return sampler
+
+
+def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, steps: int) -> Dict[str, Any]:
+    """ε of the same (q, σ, steps) under every sampler that the arguments allow, beside
+    Poisson's (``dpcore epsilon --sampler all``)."""
+    from .accounting.samplers import ACCOUNTED_SAMPLERS, GUARANTEES, default_accountant, sampler_epsilon
+
+    # one relation for the whole table: ε is never compared across relations
+    relation = args.neighboring or "add_or_remove"
+    args.neighboring = relation
+    rows = []
+    for name in ACCOUNTED_SAMPLERS:
+        if name == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
+            continue
+        if name == "random_allocation" and args.num_selected == 1:
+            continue  # k = 1 is balls-in-bins
+        acct = default_accountant(name, args.accountant)
+        try:
+            eps = sampler_epsilon(name, args.z, steps, args.delta, accountant=acct, **_sampler_kw(args, parser, name))
+        except ValueError as e:
+            rows.append({"sampler": name, "error": str(e)})
+            continue
+        rows.append({"sampler": name, "epsilon": eps, "accountant": acct, "guarantee": GUARANTEES[name]})
+    poisson = next((r.get("epsilon") for r in rows if r["sampler"] == "poisson"), None)
+    lines = [f"ε at δ = {args.delta:g} after {steps} steps, q = {args.q:g}, σ = {args.z:g}, neighbouring relation "
+             f"{relation}:"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['sampler']:<18} n/a ({r['error']})")
+            continue
+        r["ratio_to_poisson"] = (r["epsilon"] / poisson if poisson > 0 else math.inf) if poisson is not None else None
+        ratio = f"{r['ratio_to_poisson']:.3g}× Poisson" if r["ratio_to_poisson"] is not None else "Poisson n/a"
+        lines.append(f"  {r['sampler']:<18} {r['epsilon']:<10.6g} ({r['accountant']}; {ratio}) {r['guarantee']}")
+    return {"delta": args.delta, "steps": steps, "sampling_probability": args.q, "noise_multiplier": args.z,
+            "neighboring": relation, "samplers": rows, "text": "\n".join(lines)}
