@@ -112,7 +112,7 @@ def main() -> None:
                 loss.backward()
             opt.step()
             if not opt.last_step_released:  # between micro-batches: what the optimizer holds
-                held = sum(a.numel() for a in opt._acc if a is not None)
+                held = sum(a.numel() for a in opt._batch.acc if a is not None)
                 result["held_numel"] = max(result.get("held_numel", 0), held)
             if opt.last_step_released:
                 import numpy as np

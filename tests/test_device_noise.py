@@ -425,7 +425,7 @@ def test_a_compiled_function_that_disagrees_is_not_used(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("mode", ["device", "host", "auto"])
 def test_dp_optimizer_draws_noise_on_the_device_when_asked(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     from dpcore.torch import DPOptimizer
-    from dpcore.torch import _optimizer as optmod
+    from dpcore.torch import _noise as optmod  # the optimizer's noise stage
 
     calls: list = []
     real = optmod.device_gaussian_noise_many

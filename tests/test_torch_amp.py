@@ -234,13 +234,13 @@ def test_noise_is_added_in_float32_and_cast_once():
                       max_grad_norm=1.0, expected_batch_size=4.0, loss_reduction="sum", seed=5,
                       ledger=os.path.join(tempfile.mkdtemp(), "l.jsonl"))
     seen = {}
-    orig = opt._set_grads
+    orig = opt._transport.set_grads
 
     def spy():
-        seen["acc"] = [a.clone() for a in opt._acc]
+        seen["acc"] = [a.clone() for a in opt._batch.acc]
         orig()
 
-    opt._set_grads = spy
+    opt._transport.set_grads = spy
     opt.ledger.record_sample(100, 0.04)
     ce(model(VEC[:4].to(BF16)).float(), Y[:4]).backward()
     opt.step()

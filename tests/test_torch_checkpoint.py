@@ -1,5 +1,5 @@
 """dpcore.torch checkpoint and resume (DPOptimizer/DPDataLoader state dicts) and shuffled batches
-(make_private(poisson_sampling=False)).
+(make_private(sampler="shuffle")).
 
 A seeded run interrupted and rebuilt from its checkpoint ends bit for bit where the uninterrupted
 run ends, with the same ledger; loading refuses another or a truncated ledger, a ledger ahead of
@@ -145,7 +145,7 @@ def test_live_round_trip_is_a_no_op(tmp_path):
     train(model, opt, loader, 3)
     before = opt.state_dict()["dpcore"]
     opt.load_state_dict(opt.state_dict())  # and in the middle of a pass
-    assert opt._next_noise is None  # the noise drawn ahead is dropped on load
+    assert opt._noise.drawn_ahead == [None]  # the noise drawn ahead (by every noise source) is dropped on load
     assert opt.state_dict()["dpcore"] == before
     train(model, opt, loader, 4)
     for a, b in zip(params(model), want):
@@ -402,7 +402,7 @@ def test_shuffled_batches(tmp_path):
     start = params(m)
     loader_in = DataLoader(dataset(n), batch_size=BS, shuffle=True)
     model, opt, loader = make_private(m, torch.optim.SGD(m.parameters(), lr=0.2), loader_in, noise_multiplier=0.8,
-                                      max_grad_norm=1.0, ledger=str(tmp_path / "s.jsonl"), poisson_sampling=False)
+                                      max_grad_norm=1.0, ledger=str(tmp_path / "s.jsonl"), sampler="shuffle")
     assert opt.expected_batch_size == BS and opt._groups[0].plan().denominator == BS
     sizes = []
     for _ in range(2):
@@ -438,7 +438,7 @@ def test_shuffled_loader_checkpoint(tmp_path):
     m = mlp()
     model, opt, loader = make_private(m, torch.optim.SGD(m.parameters(), lr=0.2),
                                       DataLoader(dataset(n), batch_size=BS, shuffle=True), noise_multiplier=0.8,
-                                      max_grad_norm=1.0, ledger=str(path), poisson_sampling=False)
+                                      max_grad_norm=1.0, ledger=str(path), sampler="shuffle")
     train(model, opt, loader, 5)  # one epoch of 4 batches, then one batch
     ck = checkpoint(model, opt, tmp_path / "ckpt.pt")
     assert ck["optimizer"]["dpcore"]["data_loader"]["pass_position"] == 1
@@ -448,7 +448,7 @@ def test_shuffled_loader_checkpoint(tmp_path):
     m.load_state_dict(ck["model"])
     model, opt, loader = make_private(m, torch.optim.SGD(m.parameters(), lr=0.2),
                                       DataLoader(dataset(n), batch_size=BS, shuffle=True), noise_multiplier=0.8,
-                                      max_grad_norm=1.0, ledger=str(path), poisson_sampling=False)
+                                      max_grad_norm=1.0, ledger=str(path), sampler="shuffle")
     opt.load_state_dict(ck["optimizer"])
     assert loader.samples_drawn == 5 and opt._releases == 5
     for epoch, want in enumerate([3, 4]):  # the rest of the epoch, then a full one

@@ -13,6 +13,11 @@ loader's state the key of its permutation, so that a resumed run continues the s
 over the same cycle; a ledger ahead of such a checkpoint is refused even with ``"keep"`` (the
 lost releases used steps of the stream that the checkpoint cannot replay).
 
+The optimizer is read and restored through its public state methods only
+(:meth:`~dpcore.torch.DPOptimizer.checkpoint_state`, :meth:`~dpcore.torch.DPOptimizer.restore_state`,
+which gather those of its stages), and its data loader through the loader protocol
+(:mod:`dpcore.torch._loader`).
+
 Loading checks everything before it changes anything. The ledger is the safety check: it must be
 the same file, holding exactly the releases the checkpoint saw. Fewer means the ledger was
 truncated or belongs to another run, and ε would be under-stated: refused. More is what a crash
@@ -30,6 +35,7 @@ import warnings
 from typing import Any, Dict, Optional
 
 from ..ledger import LedgerError
+from ._loader import LoaderView
 
 FORMAT = "dpcore-torch-optimizer"
 VERSION = 1
@@ -149,41 +155,36 @@ def _ledger_path(ledger: Any) -> str:
     return ledger.path if ledger.is_replica else os.path.abspath(ledger.path)
 
 
-def _held(opt: Any) -> bool:
-    """Whether records of an incomplete logical batch are held (not in any checkpoint)."""
-    return bool(opt._records) or any(a is not None for a in opt._acc)
-
-
 def optimizer_state(opt: Any) -> Dict[str, Any]:
-    """The ``dpcore`` part of :meth:`DPOptimizer.state_dict`."""
-    loader = opt.data_loader
-    loader_state = loader.state_dict() if loader is not None and callable(getattr(loader, "state_dict", None)) else None
+    """The ``dpcore`` part of :meth:`DPOptimizer.state_dict`, from the stages' state
+    (:meth:`DPOptimizer.checkpoint_state`), the data loader's and the ledger's."""
+    st = opt.checkpoint_state()
     ledger = opt.ledger
     return {
         "format": FORMAT,
         "version": VERSION,
-        "releases": int(opt._releases),
-        "drawn_at_release": int(opt._drawn_at_release),
+        "releases": int(st["releases"]),
+        "drawn_at_release": int(st["drawn_at_release"]),
         # steps a GradScaler overflow skipped (nothing released); the scaler has its own state_dict
-        "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
-        "logical_batch_complete": not _held(opt),
+        "skipped_steps": int(st["skipped_steps"]),
+        "logical_batch_complete": bool(st["logical_batch_complete"]),
         # None when a query= gives the noise (the optimizer's noise_multiplier is then NaN)
         "noise_multiplier": None if math.isnan(opt.noise_multiplier) else float(opt.noise_multiplier),
         "clipping": str(opt.clipping),
         "expected_batch_size": float(opt.expected_batch_size),
-        "num_params": len(opt._params),
-        "param_names": list(opt.param_names),
-        "param_shapes": [list(p.shape) for p in opt._params],
+        "num_params": len(st["param_names"]),
+        "param_names": list(st["param_names"]),
+        "param_shapes": [list(s) for s in st["param_shapes"]],
         "groups": [
             {
-                "query": type(g.query).__name__,
-                "members": [opt.param_names[k] for k in g.members],
-                "initial_global_state": encode_state(g.query.initial_global_state()),
-                "global_state": encode_state(g.gs),
+                "query": type(g["query"]).__name__,
+                "members": list(g["members"]),
+                "initial_global_state": encode_state(g["query"].initial_global_state()),
+                "global_state": encode_state(g["global_state"]),
             }
-            for g in opt._groups
+            for g in st["groups"]
         ],
-        "data_loader": loader_state,
+        "data_loader": LoaderView(opt.data_loader).state_dict(),
         "ledger": {
             "path": _ledger_path(ledger),
             "num_releases": int(ledger.num_releases),
@@ -192,8 +193,8 @@ def optimizer_state(opt: Any) -> Dict[str, Any]:
     }
 
 
-def _check_shape(opt: Any, dp: Dict[str, Any]) -> None:
-    names, shapes = list(opt.param_names), [list(p.shape) for p in opt._params]
+def _check_shape(opt: Any, st: Dict[str, Any], dp: Dict[str, Any]) -> None:
+    names, shapes = list(st["param_names"]), [list(s) for s in st["param_shapes"]]
     if dp.get("num_params") != len(names):
         raise ValueError(
             f"the checkpoint is for {dp.get('num_params')} parameter tensors, this optimizer has {len(names)}: "
@@ -211,20 +212,21 @@ def _check_shape(opt: Any, dp: Dict[str, Any]) -> None:
             f"the checkpoint was taken with clipping={dp.get('clipping')!r}, noise_multiplier={dp.get('noise_multiplier')}; "
             f"this optimizer has clipping={opt.clipping!r}, noise_multiplier={opt.noise_multiplier}"
         )
-    groups = dp.get("groups") or []
-    if len(groups) != len(opt._groups):
-        raise ValueError(f"the checkpoint has {len(groups)} query groups, this optimizer has {len(opt._groups)}")
-    for gi, (sg, g) in enumerate(zip(groups, opt._groups)):
-        if sg.get("query") != type(g.query).__name__ or list(sg.get("members") or []) != [names[k] for k in g.members]:
+    groups, mine = dp.get("groups") or [], st["groups"]
+    if len(groups) != len(mine):
+        raise ValueError(f"the checkpoint has {len(groups)} query groups, this optimizer has {len(mine)}")
+    for gi, (sg, g) in enumerate(zip(groups, mine)):
+        q = g["query"]
+        if sg.get("query") != type(q).__name__ or list(sg.get("members") or []) != list(g["members"]):
             raise ValueError(
                 f"query group {gi}: the checkpoint's is a {sg.get('query')} over {sg.get('members')}, this optimizer's "
-                f"a {type(g.query).__name__} over {[names[k] for k in g.members]}"
+                f"a {type(q).__name__} over {list(g['members'])}"
             )
-        if sg.get("initial_global_state") != encode_state(g.query.initial_global_state()):
+        if sg.get("initial_global_state") != encode_state(q.initial_global_state()):
             raise ValueError(
-                f"query group {gi} ({type(g.query).__name__}) is configured differently from the checkpoint's "
+                f"query group {gi} ({type(q).__name__}) is configured differently from the checkpoint's "
                 f"(initial global state {sg.get('initial_global_state')} there, "
-                f"{encode_state(g.query.initial_global_state())} here)"
+                f"{encode_state(q.initial_global_state())} here)"
             )
 
 
@@ -273,8 +275,7 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
                 stacklevel=3,
             )
             opt.original_optimizer.load_state_dict(state_dict)
-            opt._next_noise = None
-            opt._next_mf = None
+            opt.restore_state()  # (drops the noise drawn ahead)
             return
         raise ValueError("not a DPOptimizer state dict: expected keys 'optimizer' and 'dpcore'")
     dp, inner = state_dict["dpcore"], state_dict.get("optimizer")
@@ -290,23 +291,22 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
             "the checkpoint was taken in the middle of a logical batch: the records held then are not in it; take "
             "checkpoints at release boundaries (after the step that completes a logical batch)"
         )
-    if _held(opt):
+    st = opt.checkpoint_state()
+    if not st["logical_batch_complete"]:
         raise ValueError("this optimizer holds records of an incomplete logical batch; load a checkpoint before training")
-    _check_shape(opt, dp)
+    _check_shape(opt, st, dp)
     states = [
-        decode_state(sg["global_state"], g.query.initial_global_state(), f"query group {gi}")
-        for gi, (sg, g) in enumerate(zip(dp["groups"], opt._groups))
+        decode_state(sg["global_state"], g["query"].initial_global_state(), f"query group {gi}")
+        for gi, (sg, g) in enumerate(zip(dp["groups"], st["groups"]))
     ]
-    loader, loader_state = opt.data_loader, dp.get("data_loader")
-    restore_loader = loader_state is not None and callable(getattr(loader, "load_state_dict", None))
+    loader, loader_state = LoaderView(opt.data_loader), dp.get("data_loader")
+    restore_loader = loader_state is not None and loader.can_restore
     if restore_loader:
-        check = getattr(loader, "check_state_dict", None)
-        if callable(check):
-            check(loader_state)
-    elif loader_state is not None and loader is not None:
+        loader.check_state_dict(loader_state)
+    elif loader_state is not None and loader.loader is not None:
         warnings.warn(
             f"the checkpoint holds a data loader position, but this optimizer's data loader "
-            f"({type(loader).__name__}) has no load_state_dict: its position was not restored",
+            f"({type(loader.loader).__name__}) has no load_state_dict: its position was not restored",
             UserWarning,
             stacklevel=3,
         )
@@ -314,7 +314,7 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
     if releases < 0 or drawn < 0:
         raise ValueError("the checkpoint's release and sample counts must be non-negative")
     ahead = _check_ledger(opt, dp.get("ledger") or {}, how)
-    if ahead and getattr(opt, "_mf_groups", None):
+    if ahead and st["correlated_noise"]:
         raise LedgerError(
             f"{opt.ledger.path}: the ledger holds {ahead} release(s) more than the checkpoint saw, and this optimizer "
             "adds matrix-factorization (correlated) noise: those releases used steps of the noise stream and batches "
@@ -324,19 +324,13 @@ def load_optimizer_state(opt: Any, state_dict: Any, ledger_ahead: Optional[str])
         )
     # Everything checked: load. The wrapped optimizer checks its own state first, then sets it.
     opt.original_optimizer.load_state_dict(inner)
-    for g, gs in zip(opt._groups, states):
-        g.gs, g.ns = gs, g.query.initial_norm_state()
-    opt._releases = releases
-    opt.skipped_steps = int(dp.get("skipped_steps", 0))
-    opt._pending = None
-    opt._next_noise = None  # drawn for a release index of the run before the load
-    opt._next_mf = None
+    opt.restore_state(releases=releases, skipped_steps=int(dp.get("skipped_steps", 0)), global_states=states)
     if restore_loader:
         loader.load_state_dict(loader_state)
-        opt._drawn_at_release = drawn
-    elif getattr(loader, "samples_drawn", None) is not None:
+        opt.restore_state(drawn_at_release=drawn)
+    elif loader.samples_drawn is not None:
         # The loader's count was not restored: the step's "a new sample since the last release"
         # check counts from where this loader stands.
-        opt._drawn_at_release = int(loader.samples_drawn)
+        opt.restore_state(drawn_at_release=int(loader.samples_drawn))
     else:
-        opt._drawn_at_release = drawn
+        opt.restore_state(drawn_at_release=drawn)

@@ -7,7 +7,7 @@ schema it declares: the records are cut into b batches (groups) *once*, and step
 (group) t mod b, so one record's participations are exactly b steps apart. A loader that
 reshuffles every epoch breaks that; these loaders cannot:
 
-* :class:`CyclicDataLoader`: dpcore's own order, from :class:`dpcore.sampling.CyclicBatches`
+* :class:`CyclicDataLoader`: dpcore's own order, from :class:`dpcore.sampling.CyclicSampler`
   (fixed batches of ``batch_size`` from one ChaCha20 shuffle; ``n mod batch_size`` records
   dropped) or :class:`dpcore.sampling.CyclicPoissonSampler` (b groups, each record of group
   t mod b with probability p at step t). Its position and the key of its permutation are in
@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler, TensorDataset, default_collate
 
 from ..matrix_factorization._participation import Participation
-from ..sampling import CyclicBatches, CyclicPoissonSampler
+from ..sampling import CyclicPoissonSampler, CyclicSampler
 from ._data import _take_none, physical_batches
 from ._distributed import current_communicator, resolve_ledger
 
@@ -85,7 +85,7 @@ class CyclicDataLoader:
                 if b > n:
                     raise ValueError(f"participation has {b} batches per epoch but the dataset only {n} records")
                 batch_size = n // b
-            sampler: Any = CyclicBatches(n, batch_size, seed=seed, ledger=ledger)
+            sampler: Any = CyclicSampler(n, batch_size, seed=seed, ledger=ledger)
             if participation is not None and participation.min_separation != sampler.steps_per_epoch:
                 raise ValueError(
                     f"participation declares {participation.min_separation} fixed batches per epoch, but {n} records in "

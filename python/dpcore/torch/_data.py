@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from ..ledger import PrivacyLedger
-from ..queries.base import derive_seed
+from .._seeds import derive_seed
 from ..sampling import poisson_sample
 from ._distributed import current_communicator, resolve_ledger
 
@@ -124,6 +124,15 @@ class DPDataLoader:
 
     def __len__(self) -> int:
         return self.steps
+
+    #: Whether every rank cuts each logical batch into the same number of micro-batches (see
+    #: :func:`physical_batches`); set by :meth:`use_equal_micro_batches`.
+    equal_micro_batches = False
+
+    def use_equal_micro_batches(self) -> None:
+        """Loader protocol (:mod:`dpcore.torch._loader`): called by a DPOptimizer under FSDP2,
+        where every forward and backward pass gathers the weights with all ranks."""
+        self.equal_micro_batches = True
 
     def _fetch(self, idx: np.ndarray) -> Any:
         if isinstance(self.dataset, TensorDataset):
