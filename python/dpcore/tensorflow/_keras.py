@@ -5,6 +5,8 @@ McMahan et al. 2018: per-record gradients of the per-record loss (``tf.vectorize
 batch, compiled once with a free batch axis), clipped and summed by the Rust core through a
 :mod:`dpcore.queries` query, Gaussian noise from the core's ChaCha20 generator, the release
 written durably to the :class:`~dpcore.PrivacyLedger`, and only then the optimizer's update.
+(:func:`make_private` and :func:`make_private_with_epsilon`, which build a :class:`DPModel`,
+are in ``_make_private.py``, and the plan of matrix-factorization noise in ``_mf.py``.)
 
 The core is called from Python, so the train step runs eagerly (``compile`` sets
 ``run_eagerly=True``); the per-record gradients themselves still run as one TF graph per
@@ -28,16 +30,17 @@ import tensorflow as tf
 
 from .._names import renamed
 from ..ledger import LedgerWarning, PrivacyLedger
-from ..queries import GaussianAverageQuery, NestedQuery, per_layer_clip_norms, proportional_noise
-from ..queries.base import derive_seed
+from .. import _names
+from ..queries._build import CLIPPING, clipping_query
+from .._seeds import derive_seed
 from .. import _adapters
 from ._data import SAMPLED_BATCHES, CyclicBatches, PoissonBatches, SampledBatches
-from .._validate import count, positive as _number
+from ._mf import _mf_config
+from .._validate import positive as _number
 
-__all__ = ["DPModel", "make_private", "CLIPPING"]
+__all__ = ["DPModel", "CLIPPING"]
 
 keras = tf.keras
-CLIPPING = ("flat", "per_layer")
 
 if not str(getattr(keras, "__version__", "0")).startswith("3."):  # pragma: no cover - legacy Keras 2
     raise ImportError(
@@ -95,16 +98,23 @@ class DPModel(keras.Model):
     ``model``), its ``call`` is ``model``'s, and ``evaluate``/``predict`` are unchanged. Only
     :meth:`train_step` differs. Parameters:
 
-    * ``noise_multiplier`` z and ``max_grad_norm`` C (the clip norm, ``l2_norm_clip`` in the
-      core; the wrapper takes Opacus's name; ``l2_norm_clip=`` is a deprecated alias).
+    * ``noise_multiplier`` z and ``max_grad_norm`` C (the clip norm; :attr:`max_grad_norm`).
     * ``expected_batch_size`` q·n, the fixed denominator of the noised average (McMahan et al.
       2018, §3), or ``population_size`` n and ``sampling_probability`` q. A
       :class:`PoissonBatches` given to ``fit`` must have the same q·n.
     * ``clipping``: ``"flat"`` — each record's gradient over all variables jointly clipped to C,
       noise stddev z·C on the sum (a :class:`~dpcore.GaussianAverageQuery`); ``"per_layer"`` —
       each variable clipped to C_v = C/√m of m variables (or to the values of a list
-      ``l2_norm_clip``), noise z·√m·C_v per variable (a :class:`~dpcore.NestedQuery`; Eq. (1)
-      of McMahan et al. 2018 gives z for the whole release).
+      ``max_grad_norm``), noise z·√m·C_v per variable (a :class:`~dpcore.NestedQuery`; Eq. (1)
+      of McMahan et al. 2018 gives z for the whole release); ``"joint"`` with ``joint_scales``
+      (one scale α_v per trainable variable) — each variable scaled by 1/α_v, the record
+      clipped jointly to C, noise α_v·z·C per variable, scaled back (a
+      :class:`~dpcore.JointClipQuery`, McMahan et al. 2018 §2). The query is built by
+      :func:`dpcore.queries._build.clipping_query`, as for the torch optimizer.
+    * ``noise_mechanism``: ``"gaussian"`` (the default) or ``"discrete_gaussian"`` (each
+      release's clipped sum rounded onto the grid ``granularity``·ℤ^d and noised with exact
+      discrete Gaussian integers in the core; Canonne, Kamath & Steinke 2020), or a
+      matrix-factorization mechanism (below).
     * ``ledger``: a :class:`~dpcore.PrivacyLedger` (a temporary file when None; see
       ``.ledger.path``). Every release is written (fsync) before its update is applied.
     * ``max_physical_batch_size``: virtual batches. Per-record gradients of a logical (Poisson)
@@ -114,8 +124,8 @@ class DPModel(keras.Model):
     * ``optimizer``: used by :meth:`compile` when it is given none.
     * ``seed``: tests only (release k's noise comes from ``derive_seed(seed, k)``; no privacy).
 
-    Matrix-factorization (correlated) noise: ``noise_mechanism="blt"``, ``"banded"`` or
-    ``"independent"`` with ``epochs`` (the planned epochs), ``population_size`` n and
+    Matrix-factorization (correlated) noise: ``noise_mechanism="blt"`` or ``"banded"``
+    with ``epochs`` (the planned epochs), ``population_size`` n and
     ``batch_size`` (b = n // batch_size fixed batches) or ``participation`` (a cyclic Poisson
     :class:`~dpcore.matrix_factorization.Participation`), and optionally ``strategy``
     (otherwise :func:`dpcore.matrix_factorization.strategy_for` optimises one for epochs·b
@@ -177,14 +187,19 @@ class DPModel(keras.Model):
         sampler: Optional[str] = None,
         max_batch_size: Optional[int] = None,
         num_selected: int = 1,
+        joint_scales: Any = None,
+        granularity: Optional[float] = None,
         **kwargs: Any,
     ) -> None:
         l2_norm_clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
+        noise_mechanism = _names.noise_mechanism(noise_mechanism)
+        noise_mechanism, strategy = _names.legacy_independent(noise_mechanism, strategy)
+        mf = noise_mechanism in _names.MF_NOISE
         mf_cfg = None
-        if noise_mechanism is not None and (sampler is not None or max_batch_size is not None or num_selected != 1):
+        if mf and (sampler is not None or max_batch_size is not None or num_selected != 1):
             raise ValueError(
                 "sampler, max_batch_size and num_selected choose DP-SGD's sampling; matrix-factorization noise "
-                "(noise_mechanism=) trains over CyclicBatches instead"
+                f"(noise_mechanism={noise_mechanism!r}) trains over CyclicBatches instead"
             )
         kind = None if sampler is None else _adapters.resolve_sampler(sampler, None)
         if kind is not None and kind not in _adapters.DRAWN:  # (the drawn ones: in _adapters.shape below)
@@ -207,7 +222,7 @@ class DPModel(keras.Model):
             probe = SAMPLED_BATCHES[kind]._probe(int(population_size), drawn)
             # The denominator and rate are the sampler's own (n/b, k/t: the nearest whole b or t).
             sampling_probability, expected_batch_size = float(probe.sampling_probability), None
-        if noise_mechanism is not None:
+        if mf:
             mf_cfg = _mf_config(
                 noise_mechanism, strategy=strategy, epochs=epochs, participation=participation, batch_size=batch_size,
                 population_size=population_size, sampling_probability=sampling_probability,
@@ -217,12 +232,20 @@ class DPModel(keras.Model):
         elif any(v is not None for v in (strategy, epochs, participation, batch_size)):
             raise ValueError(
                 "strategy, epochs, participation and batch_size configure matrix-factorization noise: give "
-                "noise_mechanism='banded', 'blt' or 'independent' with them"
+                "noise_mechanism='banded' or 'blt' with them"
             )
         if not isinstance(model, keras.Model):
             raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
         if clipping not in CLIPPING:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        if clipping == "joint":
+            if joint_scales is None or isinstance(joint_scales, (str, bytes)) or not hasattr(joint_scales, "__len__"):
+                raise ValueError("clipping='joint' needs joint_scales: one scale α_v per trainable variable")
+            joint_scales = [_number(f"joint_scales[{k}]", a) for k, a in enumerate(joint_scales)]
+        elif joint_scales is not None:
+            raise ValueError("joint_scales are the scales of clipping='joint'")
+        if granularity is not None and noise_mechanism != "discrete_gaussian":
+            raise ValueError("granularity is the rounding grid of noise_mechanism='discrete_gaussian'")
         bad = _incompatible_layers(model)
         if bad:
             raise TypeError(f"layers with batch statistics mix records and break per-record clipping: {bad}")
@@ -267,6 +290,7 @@ class DPModel(keras.Model):
         for k, v in dict(
             noise_multiplier=z, l2_norm_clip=clips, expected_batch_size=den, population_size=n,
             sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
+            joint_scales=joint_scales, noise_mechanism=noise_mechanism, granularity=granularity,
             _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
             _global_state=None, _template=None, _grad_fn=None, _mf=mf_cfg,
             sampler=kind, _drawn=drawn, _accountant=None if kind is None else _adapters.default_accountant(kind),
@@ -468,6 +492,11 @@ class DPModel(keras.Model):
     # -- accounting -----------------------------------------------------------------------
 
     @property
+    def max_grad_norm(self) -> Any:
+        """The clip norm C (or the list of per-variable bounds) given as ``max_grad_norm``."""
+        return self.l2_norm_clip
+
+    @property
     def releases(self) -> int:
         """Noised releases (applied updates) made by this model so far."""
         return self._releases
@@ -503,17 +532,13 @@ class DPModel(keras.Model):
                 self.l2_norm_clip, z, strategy=cfg["strategy"], participation=cfg["participation"], steps=cfg["steps"],
                 denominator=den,
             )
-        elif self.clipping == "flat":
-            query = GaussianAverageQuery(self.l2_norm_clip, z * self.l2_norm_clip, den)
         else:
-            if isinstance(self.l2_norm_clip, list):
-                if len(self.l2_norm_clip) != m:
-                    raise ValueError(f"l2_norm_clip has {len(self.l2_norm_clip)} values but the model has {m} trainable variables")
-                clips = list(self.l2_norm_clip)
-            else:
-                clips = per_layer_clip_norms(self.l2_norm_clip, m)
-            sds = proportional_noise(z, clips)
-            query = NestedQuery([GaussianAverageQuery(c, sd, den) for c, sd in zip(clips, sds)])
+            # flat, per-layer (a list in the variables' order) or joint: the one builder of the front ends
+            query = clipping_query(
+                m, clipping=self.clipping, max_grad_norm=self.l2_norm_clip, noise_multiplier=z, denominator=den,
+                noise_mechanism=self.noise_mechanism, granularity=self.granularity, joint_scales=self.joint_scales,
+                what="trainable variables",
+            )
         template = [_Spec(v.shape, v.dtype) for v in variables]
         object.__setattr__(self, "_query", query)
         object.__setattr__(self, "_global_state", query.initial_global_state())
@@ -556,7 +581,7 @@ class DPModel(keras.Model):
         if sampling is None:
             raise RuntimeError(
                 "DPModel.train_step runs inside fit() only, where the batches' sampling is known: use "
-                "fit(PoissonBatches(...)) (or dpcore.tensorflow.DPTrainer for a hand-written loop)"
+                "fit(PoissonBatches(...)) (or dpcore.tensorflow.CustomLoopTrainer for a hand-written loop)"
             )
         self._setup()
         if sampling.source is not None:
@@ -612,241 +637,8 @@ class DPModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sw)
 
 
-def _mf_config(
-    noise_mechanism: str, *, strategy: Any, epochs: Any, participation: Any, batch_size: Any, population_size: Any,
-    sampling_probability: Any, expected_batch_size: Any, clipping: str,
-) -> dict:
-    """The plan of a DPModel with matrix-factorization noise: participation (max_participations
-    = epochs), steps = epochs·b, strategy, the fixed denominator, n."""
-    from ..matrix_factorization import NOISE_MECHANISMS, Participation, strategy_for
-
-    if noise_mechanism not in NOISE_MECHANISMS:
-        raise ValueError(f"noise_mechanism must be one of {NOISE_MECHANISMS} (or None for DP-SGD), got {noise_mechanism!r}")
-    if clipping != "flat":
-        raise ValueError("matrix-factorization noise supports flat clipping only")
-    if epochs is None:
-        raise TypeError(f"noise_mechanism={noise_mechanism!r} needs epochs= (the noise is planned for epochs × b steps)")
-    epochs = count("epochs", epochs, 1)
-    if population_size is None:
-        raise TypeError("noise_mechanism needs population_size (the records cut into the cycle's batches)")
-    n = count("population_size", population_size, 1)
-    if sampling_probability is not None:
-        raise ValueError("sampling_probability is for Poisson batches; with noise_mechanism give batch_size or participation")
-    if participation is not None and not isinstance(participation, Participation):
-        raise TypeError(f"participation must be a Participation, got {type(participation).__name__}")
-    if participation is not None and participation.kind == "cyclic_poisson":
-        if batch_size is not None:
-            raise ValueError("batch_size has no role with cyclic Poisson sampling (the expected batch is p·n/b)")
-        b = participation.min_separation
-        if b > n:
-            raise ValueError(f"participation has {b} groups but population_size is {n}")
-        p = float(participation.sampling_probability)  # type: ignore[arg-type]
-        part, den = Participation(b, epochs, p), p * n / b
-    else:
-        if batch_size is None:
-            if participation is None:
-                raise TypeError("noise_mechanism needs batch_size (fixed batches) or participation")
-            batch_size = n // participation.min_separation
-        bs = count("batch_size", batch_size, 1)
-        if bs > n:
-            raise ValueError(f"batch_size {bs} is larger than population_size {n}: not even one fixed batch")
-        b = n // bs
-        if participation is not None and participation.min_separation != b:
-            raise ValueError(
-                f"participation declares {participation.min_separation} batches per epoch, but {n} records in batches "
-                f"of {bs} make {b} (b = n // batch_size)"
-            )
-        part, den = Participation(b, epochs), float(bs)
-    if expected_batch_size is not None and not math.isclose(float(expected_batch_size), den, rel_tol=1e-9):
-        raise ValueError(f"expected_batch_size {expected_batch_size} differs from the cycle's batch ({den})")
-    steps = epochs * b
-    return {
-        "participation": part, "steps": steps, "strategy": strategy_for(noise_mechanism, part, steps, strategy),
-        "denominator": den, "population_size": n,
-    }
-
-
 def _num_records(x: Any) -> int:
     leaves = tf.nest.flatten(x)
     if not leaves or any(np.ndim(a) < 1 for a in leaves):
         raise TypeError(f"fit() got {type(x).__name__}, which is neither PoissonBatches nor arrays with a record axis")
     return int(np.shape(leaves[0])[0])
-
-
-def make_private(
-    model: Any,
-    optimizer: Any,
-    *,
-    noise_multiplier: float,
-    max_grad_norm: Any = None,
-    expected_batch_size: Optional[float] = None,
-    population_size: Optional[int] = None,
-    sampling_probability: Optional[float] = None,
-    ledger: Optional[PrivacyLedger] = None,
-    clipping: str = "flat",
-    max_physical_batch_size: Optional[int] = None,
-    seed: Optional[int] = None,
-    l2_norm_clip: Any = None,
-    noise_mechanism: Optional[str] = None,
-    strategy: Any = None,
-    epochs: Optional[int] = None,
-    participation: Any = None,
-    batch_size: Optional[int] = None,
-    sampler: Optional[str] = None,
-    max_batch_size: Optional[int] = None,
-    num_selected: int = 1,
-) -> DPModel:
-    """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
-    (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
-
-        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.1, max_grad_norm=1.0,
-                          population_size=len(x), sampling_probability=q, ledger=PrivacyLedger("run.jsonl"))
-        dp.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-        dp.fit(PoissonBatches(x, y, sampling_probability=q), epochs=5)
-        eps = dp.get_epsilon(1e-5)
-
-    ``optimizer`` is what ``compile`` uses (any Keras optimizer: the noised average gradient
-    goes through its update rule). See :class:`DPModel` for the other parameters. ``model``
-    itself is trained in place (the wrapper shares its variables).
-
-    Matrix-factorization noise (``noise_mechanism``, ``strategy``, ``epochs``,
-    ``participation``, ``batch_size``; see :class:`DPModel`)::
-
-        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.0, max_grad_norm=1.0,
-                          noise_mechanism="blt", epochs=5, population_size=len(x), batch_size=64)
-        dp.compile(loss=...)
-        dp.fit(CyclicBatches(x, y, batch_size=64), epochs=5)
-
-    Other samplers (``sampler=``, ``max_batch_size``, ``num_selected``; see :class:`DPModel`)::
-
-        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.0, max_grad_norm=1.0,
-                          population_size=len(x), expected_batch_size=64, sampler="balls_in_bins")
-        dp.compile(loss=...)
-        dp.fit(dp.batches(x, y), epochs=5)
-        eps = dp.get_epsilon(1e-5)           # RDP: the allocation samplers' certified analysis
-    """
-    return DPModel(
-        model,
-        noise_multiplier=noise_multiplier,
-        max_grad_norm=renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip),
-        expected_batch_size=expected_batch_size,
-        population_size=population_size,
-        sampling_probability=sampling_probability,
-        ledger=ledger,
-        clipping=clipping,
-        max_physical_batch_size=max_physical_batch_size,
-        optimizer=optimizer,
-        seed=seed,
-        noise_mechanism=noise_mechanism,
-        strategy=strategy,
-        epochs=epochs,
-        participation=participation,
-        batch_size=batch_size,
-        sampler=sampler,
-        max_batch_size=max_batch_size,
-        num_selected=num_selected,
-    )
-
-
-def make_private_with_epsilon(
-    model: Any,
-    optimizer: Any,
-    *,
-    target_epsilon: float,
-    target_delta: float,
-    epochs: int,
-    max_grad_norm: Any = None,
-    population_size: int,
-    sampling_probability: Optional[float] = None,
-    accountant: Optional[str] = None,
-    l2_norm_clip: Any = None,
-    **kwargs: Any,
-) -> "DPModel":
-    """:func:`make_private` with the noise multiplier calibrated so that ``epochs`` epochs of
-    round(1/q) Poisson batches (as :class:`PoissonBatches` draws them by default) are
-    (``target_epsilon``, ``target_delta``)-DP under ``accountant`` (default "pld";
-    :func:`dpcore.accounting.calibrate_noise_multiplier`, Abadi et al. 2016 Algorithm 1). The
-    chosen σ is ``dp_model.noise_multiplier`` when the model exposes it, and is always the one
-    the ledger records.
-
-    With ``noise_mechanism=`` (and ``batch_size`` or ``participation``; no
-    ``sampling_probability``) the *effective* noise multiplier of the matrix-factorization run
-    is calibrated for its epochs·b planned steps
-    (:func:`dpcore.matrix_factorization.calibrate_noise_multiplier`).
-
-    With ``sampler=`` (see :class:`DPModel`; ``sampling_probability`` or ``expected_batch_size``
-    gives the batch size) σ is calibrated with that sampler's own accounting: the smallest z
-    (to 1e-5 relative, from above: :func:`dpcore._adapters.calibrate`) whose
-    ``sampler.accountant_event(z, steps)`` meets the target under its accountant (default PLD for truncated Poisson, RDP for the allocation
-    samplers, for which ``accountant="pld"`` is refused), for ``epochs`` × round(1/q)
-    truncated-Poisson steps, ``epochs`` balls-in-bins epochs, or ⌈epochs/k⌉ allocation rounds
-    (a round is k passes; a round cut short counts whole). ``sampler="shuffle"``: ``epochs`` ×
-    ⌈n/round(q·n)⌉ full-batch Gaussian steps (no amplification), as ``fit`` on arrays records."""
-    from .. import accounting
-
-    clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
-    epochs = count("epochs", epochs, 1)
-    if "noise_multiplier" in kwargs:
-        raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
-    kind = kwargs.get("sampler")
-    if kind is not None and kwargs.get("noise_mechanism") is None:
-        kind = _adapters.resolve_sampler(kind, None)
-        n = count("population_size", population_size, 1)
-        ebs = kwargs.get("expected_batch_size")
-        if (sampling_probability is None) == (ebs is None):
-            raise TypeError(f"make_private_with_epsilon with sampler={kind!r} needs sampling_probability or expected_batch_size")
-        bs = _number("expected_batch_size", ebs) if sampling_probability is None else (
-            _number("sampling_probability", sampling_probability) * n
-        )
-        if kind in _adapters.DRAWN:
-            args = _adapters.shape(kind, n, bs, kwargs.get("max_batch_size"), kwargs.get("num_selected", 1))
-            probe = SAMPLED_BATCHES[kind]._probe(n, args)
-            acct = _adapters.calibration_accountant(kind, accountant)
-            z = _adapters.calibrate(probe, target_epsilon, target_delta, _adapters.planned_steps(probe, epochs), acct)
-        else:
-            q = min(1.0, bs / n)
-            if kind == "shuffle":
-                q, steps = 1.0, epochs * -(-n // max(1, round(bs)))
-            else:
-                steps = epochs * max(1, round(1.0 / q))
-            z = accounting.calibrate_noise_multiplier(
-                target_epsilon, target_delta, q, steps, accountant="pld" if accountant is None else accountant
-            )
-        return make_private(
-            model, optimizer, noise_multiplier=z, max_grad_norm=clip, population_size=n,
-            sampling_probability=sampling_probability, **kwargs,
-        )
-    accountant = "pld" if accountant is None else accountant
-    if kwargs.get("noise_mechanism") is not None:
-        from ..matrix_factorization import calibrate_noise_multiplier as mf_calibrate
-
-        plan = _mf_config(
-            kwargs["noise_mechanism"], strategy=kwargs.get("strategy"), epochs=epochs,
-            participation=kwargs.get("participation"), batch_size=kwargs.get("batch_size"),
-            population_size=population_size, sampling_probability=sampling_probability,
-            expected_batch_size=kwargs.get("expected_batch_size"), clipping=kwargs.get("clipping", "flat"),
-        )
-        z = mf_calibrate(
-            target_epsilon, target_delta, participation=plan["participation"], steps=plan["steps"], accountant=accountant
-        )
-        kwargs["strategy"] = plan["strategy"]  # optimised once
-        return make_private(
-            model, optimizer, noise_multiplier=z, max_grad_norm=clip, population_size=population_size, epochs=epochs,
-            **kwargs,
-        )
-    if sampling_probability is None:
-        raise TypeError("make_private_with_epsilon needs sampling_probability (or noise_mechanism=)")
-    q = float(sampling_probability)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability}")
-    steps = int(epochs) * max(1, round(1.0 / q))
-    z = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant=accountant)
-    return make_private(
-        model,
-        optimizer,
-        noise_multiplier=z,
-        max_grad_norm=clip,
-        population_size=population_size,
-        sampling_probability=q,
-        **kwargs,
-    )
