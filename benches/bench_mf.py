@@ -17,15 +17,15 @@ Four parts, all in one run (``--parts`` picks some):
    {0.25, 0.5, 1, 2} — best test accuracy, the same grid for all, so it compares tuned
    mechanisms; tuning cost is not accounted, as usual in such tables), ``--seeds`` runs each.
    Mechanisms: DP-SGD with Poisson sampling (amplified), DP-SGD on shuffled-once fixed batches
-   without amplification (``noise_mechanism="independent"``, the honest alternative for that
+   without amplification (``noise_mechanism="banded", strategy=IDENTITY``, the honest alternative for that
    pipeline), banded MF and BLT MF on the same fixed batches. Test accuracy, mean over seeds.
 4. ``cost``: the step cost of BLT noise against independent noise: (a) the core alone,
    ``CorrelatedNoise.next`` (4 buffers) against ``dpcore.gaussian_noise`` for d = 10⁶ and 10⁷
    float32 values, alternated in one process, and the recursion alone (z drawn ahead, as the
    torch optimizer does in the background); (b) a torch training step (MLP 784-1024-256-10,
    B = 256, float32): ``noise_mechanism="blt"`` (2 buffers, and 4) against DP-SGD's independent noise on the
-   default path (``poisson_sampling=False``: fixed-size shuffled batches, noise drawn ahead)
-   and against ``noise_mechanism="independent"`` (C = I through the MF path, on the same cyclic
+   default path (``sampler="shuffle"``: fixed-size shuffled batches, noise drawn ahead)
+   and against ``strategy=IDENTITY`` (C = I through the MF path, on the same cyclic
    loader), alternated in one process. Goal ≤ 1.1×; the noise state's bytes are printed
    against (buffers + 1)·d floats.
 
@@ -196,7 +196,9 @@ def torch_cost(steps=60, warmup=5, rounds=6, batch=256):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loader = torch.utils.data.DataLoader(ds, batch_size=batch)
         if mech == "dpsgd":  # the default path's independent noise, on fixed-size shuffled batches
-            kw = {"poisson_sampling": False}
+            kw = {"sampler": "shuffle"}
+        elif mech == "independent":  # C = I through the MF path: independent noise on the cyclic batches
+            kw = {"noise_mechanism": "banded", "strategy": IDENTITY, "epochs": 10}
         elif mech == "blt4":
             strategy = mfo.optimize(400, Participation.cyclic(40, 10), kind="blt", buffers=4)
             kw = {"noise_mechanism": "blt", "epochs": 10, "strategy": strategy}

@@ -7,7 +7,7 @@ strided downsampling, 32x32x3, B=64). For each model two copies start from the s
 ``non-private`` (SGD; zero_grad, forward, loss, backward, step) and ``dpcore``
 (``dpcore.torch.make_private``, noise multiplier 1.0, max grad norm 1.0). Both draw a fixed batch
 of B records from their own loader (a DataLoader over the same 50·B records, in order, with batch
-size B; dpcore's with ``poisson_sampling=False``, so both see the same B records at the same step;
+size B; dpcore's with ``sampler="shuffle"``, so both see the same B records at the same step;
 ``--poisson`` gives dpcore its Poisson loader, expected batch B, instead). After ``--warmup`` steps of each, ``--rounds``
 rounds each time one step of every configuration, the order flipped every round; the table shows
 the medians of the per-step times (wall and process CPU) and the ratio dpcore / non-private,
@@ -59,7 +59,7 @@ def _make(model_name: str, config: str, noise: float, poisson: bool) -> Callable
 
         model, opt, loader = dpcore.torch.make_private(
             model, opt, loader, noise_multiplier=noise, max_grad_norm=1.0,
-            poisson_sampling=bool(poisson))
+            sampler="poisson" if poisson else "shuffle")
     model.train()
     crit = nn.CrossEntropyLoss()
     batches = _forever(loader)

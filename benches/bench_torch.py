@@ -287,7 +287,7 @@ def _setup(config: str, model: Any, loader: Any, device: Any) -> Tuple[Callable[
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         mech = "discrete_gaussian" if config == "dpcore-discrete" else "gaussian"
         model, opt, loader = dpcore.torch.make_private(
-            model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0, mechanism=mech)
+            model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism=mech)
     elif config in ("opacus-hooks", "opacus-ghost"):
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator

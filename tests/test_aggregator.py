@@ -67,7 +67,7 @@ def test_accuracy_estimate_is_unbiased_in_aggregate(ledger):
 
 def test_fixed_size_policy_and_adaptive_clip(ledger):
     q = QuantileAdaptiveClipQuery(0.5, 1.0, 0.5, 0.5, 5.0, 50.0, denominator=50.0)
-    agg = PrivateAggregator(q, ledger, 500, sample_size=50, policy="fixed_size_without_replacement")
+    agg = PrivateAggregator(q, ledger, 500, sample_size=50, sampler="fixed_size_without_replacement")
     x = np.random.default_rng(1).standard_normal((500, 10)) * 3
     clips = [agg.metrics()["l2_norm_clip"]]
     for _ in range(30):
@@ -123,13 +123,26 @@ def test_aggregator_bad_parameters(ledger):
         ((g, ledger, 10, None), {}, ValueError, "needs sampling_probability"),
         ((g, ledger, 10, "0.1"), {}, TypeError, "sampling_probability"),
         ((g, ledger, 10, 0.1), {"sample_size": 2}, ValueError, "sample_size"),
-        ((g, ledger, 10), {"policy": "fixed_size_without_replacement"}, ValueError, "needs sample_size"),
-        ((g, ledger, 10), {"policy": "fixed_size_without_replacement", "sample_size": 11}, ValueError, "sample_size"),
-        ((g, ledger, 10, 0.1), {"policy": "shuffle"}, ValueError, "policy"),
+        ((g, ledger, 10), {"sampler": "fixed_size_without_replacement"}, ValueError, "needs sample_size"),
+        ((g, ledger, 10), {"sampler": "fixed_size_without_replacement", "sample_size": 11}, ValueError, "sample_size"),
+        ((g, ledger, 10, 0.1), {"sampler": "shuffle"}, ValueError, r"record_sample\(\.\.\., policy='shuffle'\)"),
+        ((g, ledger, 10, 0.1), {"sampler": "truncated_poisson"}, ValueError, "TruncatedPoissonSampler"),
+        ((g, ledger, 10, 0.1), {"sampler": "bogus"}, ValueError, "sampler must be one of"),
     ]
     for args, kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             PrivateAggregator(*args, **kw)
+
+
+def test_policy_is_a_deprecated_alias_of_sampler(ledger):
+    with pytest.warns(DeprecationWarning, match="policy= is deprecated; it is called sampler= now"):
+        agg = PrivateAggregator(GaussianSumQuery(1.0, 1.0), ledger, 10, sample_size=4,
+                                policy="fixed_size_without_replacement")
+    idx = agg.sample(seed=1)
+    agg.aggregate(np.ones((len(idx), 2)), seed=2)
+    assert len(idx) == 4 and ledger.samples[-1].policy == "fixed_size_without_replacement"
+    with pytest.raises(TypeError, match="give sampler= only"):
+        PrivateAggregator(GaussianSumQuery(1.0, 1.0), ledger, 10, 0.1, sampler="poisson", policy="poisson")
 
 
 # ----------------------------------------------------------------------------- samplers

@@ -278,3 +278,24 @@ def test_target_epsilon_calibrates_for_the_trainer_epochs(tmp_path):
     assert dp.optimizer.noise_multiplier > 0
     assert dp.ledger.num_releases == 8
     assert dp.get_epsilon() <= 3.0 * (1 + 1e-6)
+
+
+def test_names_sampler_and_noise_mechanism_and_their_old_spellings(tmp_path):
+    # the names of dpcore.torch.make_private: sampler= and noise_mechanism= go through
+    model = Tiny()
+    dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, delta=DELTA, ledger=str(tmp_path / "s.jsonl"), seed=3,
+                    sampler="balls_in_bins")
+    trainer(tmp_path, [dp], max_epochs=1).fit(model)
+    assert {s.policy for s in dp.ledger.samples} == {"balls_in_bins"} and dp.ledger.num_releases == 4
+    dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, delta=DELTA, noise_mechanism="discrete_gaussian")
+    assert dp.make_private_kwargs["noise_mechanism"] == "discrete_gaussian"
+    for mech in ("banded", "blt"):
+        with pytest.raises(ValueError, match=f"noise_mechanism='{mech}'.*torch loop"):
+            DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, delta=DELTA, noise_mechanism=mech)
+    # the old spellings still work, each with one DeprecationWarning at construction
+    with pytest.warns(DeprecationWarning, match="mechanism= is deprecated"):
+        dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, delta=DELTA, mechanism="discrete_gaussian")
+    assert dp.make_private_kwargs == {"noise_mechanism": "discrete_gaussian"}
+    with pytest.warns(DeprecationWarning, match="poisson_sampling= is deprecated"):
+        dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, delta=DELTA, poisson_sampling=False)
+    assert dp.make_private_kwargs == {"sampler": "shuffle"}

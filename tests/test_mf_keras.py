@@ -106,12 +106,19 @@ else:
         # at noise 0 the correlated and the independent mechanism make the same updates
         x, y = data()
         out = []
-        for mech, name in (("blt", "a.jsonl"), ("independent", "b.jsonl")):
-            dp = compiled(tmp_path, name=name, batch_size=BS, noise_mechanism=mech, noise_multiplier=0.0)
+        for kw, name in ((dict(noise_mechanism="blt"), "a.jsonl"),
+                         (dict(noise_mechanism="banded", strategy=mf.IDENTITY), "b.jsonl")):
+            dp = compiled(tmp_path, name=name, batch_size=BS, noise_multiplier=0.0, **kw)
             dp.fit(CyclicBatches(x, y, batch_size=BS, seed=3), epochs=2, verbose=0)
             out.append([v.numpy() for v in dp.inner.trainable_variables])
         for a, b in zip(*out):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+    def test_old_independent_value_still_works_and_warns(tmp_path):
+        # noise_mechanism="independent" is noise_mechanism="banded" with strategy=IDENTITY (C = I)
+        with pytest.warns(DeprecationWarning, match="'independent' is deprecated"):
+            dp = compiled(tmp_path, name="i.jsonl", batch_size=BS, noise_mechanism="independent")
+        assert dp.query.strategy == mf.IDENTITY and dp.noise_mechanism == "banded"
 
     def test_cyclic_poisson_banded(tmp_path):
         x, y = data()

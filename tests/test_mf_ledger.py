@@ -580,7 +580,7 @@ def test_cli_calibrate_then_epsilon_round_trip(tmp_path, extra):
     strat = BandedStrategy([1.0, 0.6, 0.2])
     f = tmp_path / "strategy.json"
     f.write_text(json.dumps(strat.to_dict()))
-    base = ["--mechanism", "mf", "--min-separation", "10", "--epochs", "3", "--delta", "1e-6", *extra]
+    base = ["--noise-mechanism", "banded", "--min-separation", "10", "--epochs", "3", "--delta", "1e-6", *extra]
     cal = json.loads(run("calibrate", "--epsilon", "2", *base, "--strategy", str(f), "--json").stdout)
     z = cal["noise_multiplier"]
     part = Participation.cyclic(10) if not extra else Participation.cyclic_poisson(10, 0.05)
@@ -602,19 +602,52 @@ def test_cli_calibrate_then_epsilon_round_trip(tmp_path, extra):
 
 def test_cli_mf_bad_input(tmp_path):
     for args in (
-        ["epsilon", "--mechanism", "mf", "-z", "1", "--steps", "10", "--delta", "1e-5"],  # no --min-separation
+        ["epsilon", "--noise-mechanism", "banded", "-z", "1", "--steps", "10", "--delta", "1e-5"],  # no --min-separation
         ["epsilon", "-z", "1", "--steps", "10", "--delta", "1e-5"],  # DP-SGD without -q
         ["epsilon", "-q", "0.1", "-z", "1", "--steps", "10", "--delta", "1e-5", "--min-separation", "3"],
-        ["calibrate", "--mechanism", "mf", "--epsilon", "1", "--delta", "1e-5", "--min-separation", "3", "-z", "1", "--steps", "5"],
+        ["calibrate", "--noise-mechanism", "blt", "--epsilon", "1", "--delta", "1e-5", "--min-separation", "3", "-z", "1", "--steps", "5"],
+        # BLT with cyclic Poisson sampling: amplified MF needs a banded strategy
+        ["epsilon", "--noise-mechanism", "blt", "-z", "1", "--steps", "10", "--min-separation", "3", "-q", "0.1", "--delta", "1e-5"],
     ):
         res = run(*args, check_rc=2)
         assert len([x for x in res.stderr.splitlines() if x.strip()]) == 1
     f = tmp_path / "blt.json"
     f.write_text(json.dumps(BLTStrategy([0.5], [0.5]).to_dict()))
-    res = run("epsilon", "--mechanism", "mf", "-z", "1", "--steps", "10", "--min-separation", "3", "-q", "0.1",
+    res = run("epsilon", "--noise-mechanism", "banded", "-z", "1", "--steps", "10", "--min-separation", "3",
               "--delta", "1e-5", "--strategy", str(f), check_rc=1)
-    assert "cannot be used with cyclic Poisson" in res.stderr
+    assert "a blt strategy, but --noise-mechanism banded" in res.stderr
+    f.write_text(json.dumps(BandedStrategy([1.0, 0.5, 0.4, 0.3]).to_dict()))
+    res = run("epsilon", "--noise-mechanism", "banded", "-z", "1", "--steps", "10", "--min-separation", "3", "-q", "0.1",
+              "--delta", "1e-5", "--strategy", str(f), check_rc=1)
+    assert "needs at most that many bands" in res.stderr
     f.write_text("{")
-    res = run("epsilon", "--mechanism", "mf", "-z", "1", "--steps", "10", "--min-separation", "3", "--delta", "1e-5",
+    res = run("epsilon", "--noise-mechanism", "banded", "-z", "1", "--steps", "10", "--min-separation", "3", "--delta", "1e-5",
               "--strategy", str(f), check_rc=1)
     assert "not a JSON file" in res.stderr
+
+
+def test_cli_old_mechanism_flag_still_works_and_warns(tmp_path):
+    # --mechanism mf is --noise-mechanism banded (or the --strategy file's kind); --mechanism dpsgd is gaussian
+    new = json.loads(run("epsilon", "--noise-mechanism", "banded", "-z", "1", "--steps", "10", "--min-separation", "3",
+                         "--delta", "1e-5", "--json").stdout)
+    res = run("epsilon", "--mechanism", "mf", "-z", "1", "--steps", "10", "--min-separation", "3", "--delta", "1e-5",
+              "--json")
+    assert json.loads(res.stdout) == new and new["noise_mechanism"] == "banded"
+    assert res.stderr.strip() == "dpcore epsilon: warning: --mechanism mf is deprecated: it is --noise-mechanism banded now"
+    f = tmp_path / "blt.json"
+    f.write_text(json.dumps(BLTStrategy([0.5], [0.5]).to_dict()))
+    res = run("calibrate", "--mechanism", "mf", "--epsilon", "1", "--steps", "9", "--min-separation", "3",
+              "--delta", "1e-5", "--strategy", str(f), "--json")
+    assert json.loads(res.stdout)["noise_mechanism"] == "blt" and "--noise-mechanism blt now" in res.stderr
+    res = run("epsilon", "--mechanism", "dpsgd", "-q", "0.01", "-z", "1.1", "--steps", "100", "--delta", "1e-5", "--json")
+    assert "--noise-mechanism gaussian now" in res.stderr
+    assert json.loads(res.stdout) == json.loads(run("epsilon", "-q", "0.01", "-z", "1.1", "--steps", "100", "--delta",
+                                                    "1e-5", "--json").stdout)
+    # in-process: a DeprecationWarning
+    from dpcore import cli
+
+    with pytest.warns(DeprecationWarning, match="--mechanism mf is deprecated"):
+        assert cli.main(["epsilon", "--mechanism", "mf", "-z", "1", "--steps", "10", "--min-separation", "3",
+                         "--delta", "1e-5"]) == 0
+    run("epsilon", "--mechanism", "mf", "--noise-mechanism", "gaussian", "-z", "1", "--steps", "10",
+        "--min-separation", "3", "--delta", "1e-5", check_rc=2)

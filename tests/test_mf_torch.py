@@ -111,31 +111,48 @@ def test_cyclic_loader_fixed_batches(tmp_path):
 # ------------------------------------------------------------------ updates and the noise
 
 
-@pytest.mark.parametrize("mech", ["blt", "banded", "independent"])
+@pytest.mark.parametrize("mech", ["blt", "banded", "identity"])
 def test_zero_noise_equals_dpsgd_on_the_same_fixed_batches(tmp_path, mech):
     steps = 12
-    model, opt, loader = build(tmp_path / "a.jsonl", noise_mechanism=mech, z=0.0)
+    kw = dict(noise_mechanism="banded", strategy=mf.IDENTITY) if mech == "identity" else dict(noise_mechanism=mech)
+    model, opt, loader = build(tmp_path / "a.jsonl", z=0.0, **kw)
     plain = cyclic_order_loader(loader)
     train(model, opt, loader, steps)
     want = params(model)
 
-    model2, opt2, loader2 = build(tmp_path / "b.jsonl", noise_mechanism=None, z=0.0, loader=plain, poisson_sampling=False)
+    model2, opt2, loader2 = build(tmp_path / "b.jsonl", noise_mechanism=None, z=0.0, loader=plain, sampler="shuffle")
     train(model2, opt2, loader2, steps)
     for a, b in zip(params(model2), want):
         assert torch.equal(a, b)
 
     # the caller's own loader kept (its order is fixed): the same again
-    model3, opt3, loader3 = build(tmp_path / "c.jsonl", noise_mechanism=mech, z=0.0, loader=plain, keep_loader=True)
+    model3, opt3, loader3 = build(tmp_path / "c.jsonl", z=0.0, loader=plain, keep_loader=True, **kw)
     assert type(loader3).__name__ == "FixedOrderLoader" and len(loader3) == 5
     train(model3, opt3, loader3, steps)
     for a, b in zip(params(model3), want):
         assert torch.equal(a, b)
 
 
+def test_old_independent_value_still_works_and_warns(tmp_path):
+    # noise_mechanism="independent" is noise_mechanism="banded" with strategy=IDENTITY (C = I): the same run
+    with pytest.warns(DeprecationWarning, match="'independent' is deprecated.*IDENTITY"):
+        model, opt, loader = build(tmp_path / "a.jsonl", noise_mechanism="independent", z=0.7)
+    model2, opt2, loader2 = build(tmp_path / "b.jsonl", noise_mechanism="banded", strategy=mf.IDENTITY, z=0.7)
+    assert opt.query.strategy == opt2.query.strategy == mf.IDENTITY
+    train(model, opt, loader, 6)
+    train(model2, opt2, loader2, 6)
+    for a, b in zip(params(model), params(model2)):
+        assert torch.equal(a, b)
+    # and poisson_sampling= on this path (participation= decides the order) warns too
+    with pytest.warns(DeprecationWarning, match="poisson_sampling= is deprecated"):
+        build(tmp_path / "c.jsonl", noise_mechanism="banded", participation=Participation.cyclic_poisson(4, 0.5),
+              poisson_sampling=True)
+
+
 def test_independent_noise_is_dpsgd_noise(tmp_path):
     # C = I: the stream's noise is the independent Gaussian of the same keys (same seeds per release)
     steps = 7
-    model, opt, loader = build(tmp_path / "a.jsonl", noise_mechanism="independent", z=0.7)
+    model, opt, loader = build(tmp_path / "a.jsonl", noise_mechanism="banded", strategy=mf.IDENTITY, z=0.7)
     plain = cyclic_order_loader(loader)
     train(model, opt, loader, steps)
     sigma = opt.query.stddev if hasattr(opt.query, "stddev") else opt._groups[0].gs.stddev
@@ -145,7 +162,7 @@ def test_independent_noise_is_dpsgd_noise(tmp_path):
     o2 = torch.optim.SGD(m2.parameters(), lr=0.2, momentum=0.9)
     m2, o2, l2 = make_private(
         m2, o2, plain, query=GaussianAverageQuery(1.0, sigma, BS), ledger=str(tmp_path / "b.jsonl"),
-        poisson_sampling=False, seed=3,
+        sampler="shuffle", seed=3,
     )
     train(m2, o2, l2, steps)
     for a, b in zip(params(m2), params(model)):
@@ -208,7 +225,7 @@ def test_ledger_holds_one_stream_and_epsilon(tmp_path):
     want = mf.epsilon(1.1, DELTA, participation=Participation(5, 3), steps=15)
     assert np.isfinite(eps) and eps == pytest.approx(want, rel=1e-6)
     # the same ε as one Gaussian mechanism at z: independent of the strategy
-    model2, opt2, loader2 = build(tmp_path / "m.jsonl", z=1.1, noise_mechanism="independent")
+    model2, opt2, loader2 = build(tmp_path / "m.jsonl", z=1.1, noise_mechanism="banded", strategy=mf.IDENTITY)
     train(model2, opt2, loader2, 15)
     assert epsilon(opt2) == pytest.approx(eps, rel=1e-6)
 
@@ -282,17 +299,17 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="at most that many bands"):
         build(led, noise_mechanism="banded", strategy=BandedStrategy([1, 0.5, 0.4, 0.3, 0.2]),
               participation=Participation.cyclic_poisson(4, 0.5))
-    with pytest.raises(ValueError, match="participation=Participation.cyclic_poisson"):
+    with pytest.raises(ValueError, match="participation=Participation.cyclic_poisson"), pytest.warns(DeprecationWarning):
         build(led, noise_mechanism="banded", poisson_sampling=True)
     with pytest.raises(ValueError, match="strategy is a BLTStrategy"):
         build(led, noise_mechanism="banded", strategy=BLTStrategy([0.5], [0.5]))
     with pytest.raises(ValueError, match="strategy is a BandedStrategy"):
         build(led, noise_mechanism="blt", strategy=BandedStrategy([1, 0.5]))
-    with pytest.raises(ValueError, match="C = I"):
+    with pytest.raises(ValueError, match="C = I"), pytest.warns(DeprecationWarning):
         build(led, noise_mechanism="independent", strategy=BandedStrategy([1, 0.5]))
     with pytest.raises(ValueError, match="declares 7 batches per epoch"):
         build(led, participation=Participation.cyclic(7))
-    with pytest.raises(ValueError, match="poisson_sampling=False"):
+    with pytest.raises(ValueError, match="poisson_sampling=False"), pytest.warns(DeprecationWarning):
         build(led, participation=Participation.cyclic_poisson(4, 0.5), poisson_sampling=False)
     with pytest.raises(TypeError, match="epochs"):
         build(led, epochs=None)
@@ -300,7 +317,7 @@ def test_refusals(tmp_path):
         build(led, noise_mechanism="dense")
     with pytest.raises(ValueError, match="flat clipping"):
         build(led, clipping="per_layer")
-    with pytest.raises(ValueError, match="discrete"):
+    with pytest.raises(ValueError, match="discrete"), pytest.warns(DeprecationWarning):
         build(led, mechanism="discrete_gaussian")
     with pytest.raises(ValueError, match="grad_scaler"):
         build(led, grad_scaler=torch.amp.GradScaler("cpu"))
@@ -314,7 +331,8 @@ def test_the_default_path_is_unchanged(tmp_path):
     from dpcore.torch import DPDataLoader
 
     model, opt, loader = build(tmp_path / "l.jsonl", noise_mechanism=None)
-    assert isinstance(loader, DPDataLoader) and opt._mf_groups == []
+    assert isinstance(loader, DPDataLoader) and opt._queries.groups_of("matrix_factorization") == []
+    assert not opt._noise.correlated
 
 
 def test_every_drawn_batch_must_be_released(tmp_path):
@@ -465,16 +483,16 @@ def test_a_failed_release_keeps_stream_ledger_and_cycle_aligned(tmp_path, monkey
     x, y = next(it)
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    real = opt._accumulate
+    real = opt._batch.accumulate
 
     def boom(*a, **k):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(opt, "_accumulate", boom)
+    monkeypatch.setattr(opt._batch, "accumulate", boom)
     before = params(model)
     with pytest.raises(RuntimeError, match="device lost"):
         opt.step()
-    monkeypatch.setattr(opt, "_accumulate", real)
+    monkeypatch.setattr(opt._batch, "accumulate", real)
     assert all(torch.equal(a, b) for a, b in zip(params(model), before))  # nothing applied
     assert opt.ledger.num_releases == 3 and opt._groups[0].gs.step == 3 and loader.samples_drawn == 3
     assert opt._groups[0].gs.noise.step == 3

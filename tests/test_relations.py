@@ -104,7 +104,7 @@ def _run(tmp_path, loader, epochs=3, name="l.jsonl", **kw):
     torch.manual_seed(0)
     m = nn.Linear(3, 2)
     m, opt, loader = make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), loader, noise_multiplier=1.0,
-                                  max_grad_norm=1.0, poisson_sampling=False, ledger=str(tmp_path / name), **kw)
+                                  max_grad_norm=1.0, sampler="shuffle", ledger=str(tmp_path / name), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LedgerWarning)
         for _ in range(epochs):
@@ -176,7 +176,7 @@ def test_a_resumed_epoch_is_a_new_round(tmp_path):
     torch.manual_seed(0)
     m2 = nn.Linear(3, 2)
     m2, opt2, dl2 = make_private(m2, torch.optim.SGD(m2.parameters(), lr=0.1), loader, noise_multiplier=1.0,
-                                 max_grad_norm=1.0, poisson_sampling=False, ledger=str(tmp_path / "l.jsonl"))
+                                 max_grad_norm=1.0, sampler="shuffle", ledger=str(tmp_path / "l.jsonl"))
     opt2.load_state_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LedgerWarning)

@@ -318,11 +318,15 @@ else:
         for ps, sampler, cls in ((True, None, DPDataLoader), (None, "poisson", DPDataLoader), (True, "poisson", DPDataLoader),
                                  (False, "shuffle", None), (False, None, None)):
             model = mlp()
-            _, opt, loader = make_private(
-                model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(dataset(), batch_size=BS),
-                noise_multiplier=1.0, max_grad_norm=1.0, ledger=str(tmp_path / f"{ps}{sampler}.jsonl"),
-                poisson_sampling=ps, sampler=sampler,
-            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _, opt, loader = make_private(
+                    model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(dataset(), batch_size=BS),
+                    noise_multiplier=1.0, max_grad_norm=1.0, ledger=str(tmp_path / f"{ps}{sampler}.jsonl"),
+                    poisson_sampling=ps, sampler=sampler,
+                )
+            deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+            assert len(deprecated) == (ps is not None) and all("sampler=" in str(w.message) for w in deprecated)
             if cls is not None:
                 assert isinstance(loader, cls) and opt.expected_batch_size == 8.0
             else:
@@ -337,9 +341,9 @@ else:
 
         with pytest.raises(ValueError, match="sampler must be one of"):
             mp(sampler="bins")
-        with pytest.raises(ValueError, match="poisson_sampling=True means sampler='poisson'"):
+        with pytest.raises(ValueError, match="poisson_sampling=True means sampler='poisson'"), pytest.warns(DeprecationWarning):
             mp(sampler="balls_in_bins", poisson_sampling=True)
-        with pytest.raises(ValueError, match="poisson_sampling=False means sampler='shuffle'"):
+        with pytest.raises(ValueError, match="poisson_sampling=False means sampler='shuffle'"), pytest.warns(DeprecationWarning):
             mp(sampler="poisson", poisson_sampling=False)
         with pytest.raises(ValueError, match=r"needs max_batch_size.*ceil\(q·n \+ 4·sqrt\(q·n·\(1 − q\)\)\) = 19 here"):
             mp(sampler="truncated_poisson")

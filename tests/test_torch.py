@@ -183,7 +183,7 @@ def test_clipped_records_within_bound_and_match_core():
         np.testing.assert_allclose(p.grad.numpy().reshape(-1), cs / 16.0, rtol=1e-4, atol=1e-6)
     # each record's clipped contribution is <= C
     eng = opt.engine
-    c = dpcore.torch.clip_factors(torch.from_numpy(norms**2), 0.5, opt._margins[0])
+    c = dpcore.torch.clip_factors(torch.from_numpy(norms**2), 0.5, opt._queries.margins[0])
     assert float((c.numpy() * norms).max()) <= 0.5
 
 
@@ -466,7 +466,7 @@ def test_failure_part_way_through_accumulation_drops_every_accumulator():
                             opt.step()
                     finally:
                         _contrib.Factored.add_clipped = orig
-                    assert all(a is None for a in opt._acc)
+                    assert all(a is None for a in opt._batch.acc)
                 else:
                     opt.step()
         opt.ledger.record_sample(30, 0.1)
@@ -573,7 +573,7 @@ def test_old_parameter_names_still_work_with_a_deprecation_warning(tmp_path):
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_discrete_gaussian_release_in_the_optimizer(clipping):
-    """mechanism='discrete_gaussian': the released gradient is the core's discrete release of the
+    """The discrete Gaussian (DPOptimizer(mechanism=...), make_private(noise_mechanism=...)): the released gradient is the core's discrete release of the
     clipped sum (rounded onto the grid, integer noise, then divided), the ledger records the
     rounded sum's sensitivity C + √d·γ, and a zero-noise release is the clipped sum on the grid."""
     from dpcore.queries.base import derive_seed
@@ -594,7 +594,7 @@ def test_discrete_gaussian_release_in_the_optimizer(clipping):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         grads[z] = [p.grad.detach().double().numpy().copy() for p in model.parameters()]
-        plans = opt._plans() if opt._pending else [g.plan() for g in opt._groups]
+        plans = opt._queries.plans()  # the pending release's plans, else each group's next
         for g, plan in zip(opt._groups, plans):
             assert plan.mechanism == "discrete_gaussian"
             d = sum(model_p.numel() for k, model_p in enumerate(model.parameters()) if k in g.members)
@@ -650,5 +650,83 @@ def test_calibration_refuses_the_discrete_gaussian():
     with pytest.raises(ValueError, match="mechanism='gaussian' only"):
         dpcore.torch.make_private_with_epsilon(
             model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(ds, batch_size=8),
-            target_epsilon=2.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0, mechanism="discrete_gaussian",
+            target_epsilon=2.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0, noise_mechanism="discrete_gaussian",
         )
+
+
+def test_make_private_takes_target_epsilon_and_the_one_noise_name():
+    # make_private(target_epsilon=, target_delta=, epochs=) is make_private_with_epsilon
+    ds = digits_like(32)
+
+    def build(fn, **kw):
+        torch.manual_seed(0)
+        model = mlp()
+        return fn(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(ds, batch_size=8),
+                  max_grad_norm=1.0, ledger=tmp_ledger(), **kw)
+
+    _, a, _ = build(make_private, target_epsilon=2.0, target_delta=1e-5, epochs=3)
+    _, b, _ = build(dpcore.torch.make_private_with_epsilon, target_epsilon=2.0, target_delta=1e-5, epochs=3)
+    assert a.noise_multiplier == b.noise_multiplier > 0
+    _, c, _ = build(make_private, target_epsilon=2.0, target_delta=1e-5, epochs=3, sampler="balls_in_bins")
+    _, d, _ = build(dpcore.torch.make_private_with_epsilon, target_epsilon=2.0, target_delta=1e-5, epochs=3,
+                    sampler="balls_in_bins")
+    assert c.noise_multiplier == d.noise_multiplier > 0
+    with pytest.raises(ValueError, match="not both"):
+        build(make_private, noise_multiplier=1.0, target_epsilon=2.0, target_delta=1e-5, epochs=3)
+    with pytest.raises(TypeError, match="target_epsilon needs target_delta"):
+        build(make_private, target_epsilon=2.0, epochs=3)
+    with pytest.raises(TypeError, match="target_delta goes with target_epsilon"):
+        build(make_private, noise_multiplier=1.0, target_delta=1e-5)
+    with pytest.raises(TypeError, match="needs epochs"):
+        build(make_private, target_epsilon=2.0, target_delta=1e-5)
+    with pytest.raises(ValueError, match="epochs= alone goes with target_epsilon"):
+        build(make_private, noise_multiplier=1.0, epochs=3)
+    with pytest.raises(ValueError, match="accountant= is the calibration's"):
+        build(make_private, noise_multiplier=1.0, accountant="rdp")
+    # noise_mechanism= takes the per-step mechanisms too
+    _, e, _ = build(make_private, noise_multiplier=1.0, noise_mechanism="discrete_gaussian")
+    assert e._queries.mechanisms == ["discrete_gaussian"]
+    with pytest.raises(ValueError, match="noise_mechanism must be one of"):
+        build(make_private, noise_multiplier=1.0, noise_mechanism="laplace")
+
+
+def test_old_mechanism_keyword_still_works_and_warns():
+    ds = digits_like(32)
+
+    def build(**kw):
+        model = mlp()
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            torch.utils.data.DataLoader(ds, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+                            ledger=tmp_ledger(), **kw)
+
+    with pytest.warns(DeprecationWarning, match="mechanism= is deprecated; it is called noise_mechanism= now"):
+        _, opt, _ = build(mechanism="discrete_gaussian")
+    assert opt._queries.mechanisms == ["discrete_gaussian"]
+    with pytest.warns(DeprecationWarning, match="'discrete' is deprecated; it is called 'discrete_gaussian'"):
+        _, opt, _ = build(noise_mechanism="discrete")
+    assert opt._queries.mechanisms == ["discrete_gaussian"]
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="one run has one noise mechanism"):
+        build(mechanism="discrete_gaussian", noise_mechanism="gaussian")
+
+
+def test_the_shared_query_builder_is_the_torch_optimizers():
+    # dpcore.queries._build.clipping_query (Keras, the custom-loop trainer) builds what the torch
+    # optimizer builds, for every clipping mode and per-step noise
+    from dpcore.queries._build import clipping_query
+    from dpcore.torch._clip import build_query
+
+    names = ["a.weight", "a.bias", "b.weight"]
+    for clipping, c, scales in (("flat", 1.0, None), ("per_layer", 1.0, None), ("per_layer", [1.0, 2.0, 3.0], None),
+                                ("joint", 1.0, [1.0, 2.0, 0.5])):
+        for mech in ("gaussian", "discrete_gaussian"):
+            ours = clipping_query(names, clipping=clipping, max_grad_norm=c, noise_multiplier=1.3, denominator=8.0,
+                                  noise_mechanism=mech, joint_scales=scales)
+            torch_q = build_query(names, noise_multiplier=1.3, max_grad_norm=c, expected_batch_size=8.0,
+                                  clipping=clipping, joint_scales=scales, mechanism=mech, granularity=None)
+            assert repr(ours) == repr(torch_q)
+    as_list = clipping_query(3, clipping="per_layer", max_grad_norm=1.0, noise_multiplier=1.0, denominator=4.0)
+    assert isinstance(as_list, NestedQuery) and len(as_list.leaf_queries) == 3
+    with pytest.raises(ValueError, match="needs joint_scales"):
+        clipping_query(3, clipping="joint", max_grad_norm=1.0, noise_multiplier=1.0, denominator=4.0)
+    with pytest.raises(ValueError, match="needs clipping='per_layer'"):
+        clipping_query(3, clipping="flat", max_grad_norm=[1.0, 1.0, 1.0], noise_multiplier=1.0, denominator=4.0)

@@ -338,6 +338,56 @@ def test_make_private_trainer_on_a_plain_trainer(tmp_path):
     assert any(not torch.equal(p, before[k]) for k, p in model.named_parameters() if "lora_" in k)
 
 
+def test_poisson_sampling_is_a_deprecated_alias_checked_once(tmp_path):
+    # the old keyword still works, warns once (the arguments are checked in one place), means the sampler
+    for build in ("DPTrainer", "make_private_trainer"):
+        with pytest.warns(DeprecationWarning, match="poisson_sampling= is deprecated") as caught:
+            if build == "DPTrainer":
+                tr = dp_trainer(tmp_path / build, dp=dict(poisson_sampling=False))
+            else:
+                plain = transformers.Trainer(model=lora(gpt2()), args=targs(tmp_path / build), train_dataset=DATA,
+                                             data_collator=transformers.default_data_collator)
+                tr = make_private_trainer(plain, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+        assert len([w for w in caught if issubclass(w.category, DeprecationWarning)]) == 1
+        assert tr._dp_run.sampler == "shuffle" and tr._dp_run.policy == "shuffle"
+        tr.ledger.close()
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give sampler= alone"):
+        dp_trainer(tmp_path / "both", dp=dict(poisson_sampling=True, sampler="shuffle"))
+
+
+def test_samplers_and_noise_the_trainer_cannot_draw_are_refused_with_why(tmp_path):
+    for kind in ("truncated_poisson", "balls_in_bins", "random_allocation"):
+        with pytest.raises(ValueError, match=rf"Trainer's own dataloader.*make_private\(.*sampler='{kind}'"):
+            dp_trainer(tmp_path, dp=dict(sampler=kind))
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        dp_trainer(tmp_path, dp=dict(sampler="bogus"))
+    for mech in ("banded", "blt"):
+        with pytest.raises(ValueError, match=rf"cyclic data order.*noise_mechanism='{mech}'"):
+            dp_trainer(tmp_path, dp=dict(noise_mechanism=mech))
+    with pytest.raises(ValueError, match="calibrates for noise_mechanism='gaussian' only"):
+        dp_trainer(tmp_path, dp=dict(noise_multiplier=None, target_epsilon=2.0, target_delta=1e-5,
+                                     noise_mechanism="discrete_gaussian"))
+    assert not os.path.exists(tmp_path / "privacy_ledger.jsonl")
+
+
+def test_joint_clipping_and_the_discrete_gaussian(tmp_path):
+    # clipping="joint": the DPOptimizer's JointClipQuery over the trainable tensors (the LoRA
+    # adapters here), its event (S, z·S) in the ledger
+    model = lora(gpt2())
+    m = sum(1 for p in model.parameters() if p.requires_grad)
+    tr = dp_trainer(tmp_path / "joint", model, dp=dict(clipping="joint", joint_scales=[1.0, 2.0] * (m // 2),
+                                                        max_grad_norm=0.5, noise_multiplier=1.2))
+    tr.train()
+    assert isinstance(tr.dp_optimizer.query, dpcore.queries.JointClipQuery)
+    assert tr.ledger.num_releases == 3
+    assert [(e.l2_norm_clip, e.stddev) for e in tr.ledger.samples[0].queries] == [(0.5, pytest.approx(0.6))]
+    # noise_mechanism="discrete_gaussian": recorded as such (a rounded sum's sensitivity ≥ C)
+    tr = dp_trainer(tmp_path / "dg", dp=dict(noise_mechanism="discrete_gaussian", accountant="rdp"))
+    tr.train()
+    ev = tr.ledger.samples[0].queries[0]
+    assert tr.ledger.num_releases == 3 and ev.mechanism == "discrete_gaussian" and ev.l2_norm_clip >= 1.0
+
+
 def _word_tokenizer():
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"<pad>": 1, "<s>": 0, **{f"w{i}": i for i in range(2, V)}}
@@ -396,7 +446,7 @@ def test_bf16_autocast_on_cpu(tmp_path):
 
 
 def test_shuffled_batches_are_recorded_as_shuffle(tmp_path):
-    tr = dp_trainer(tmp_path, dp=dict(poisson_sampling=False))
+    tr = dp_trainer(tmp_path, dp=dict(sampler="shuffle"))
     with pytest.warns(dpcore.ledger.LedgerWarning, match="shuffled or fixed-order loader") as caught:
         tr.train()
     assert len([w for w in caught if "shuffle" in str(w.message)]) == 1  # once, not at every log
@@ -418,7 +468,7 @@ def test_shuffled_batches_are_recorded_as_shuffle(tmp_path):
 def test_shuffled_calibration_counts_epochs(tmp_path):
     # 10 steps of 8-batch epochs: 2 epochs begun, each one Gaussian query (zero-out): σ is
     # calibrated for that, and the ledger's ε meets the target without wasting it
-    tr = dp_trainer(tmp_path, dp=dict(poisson_sampling=False, noise_multiplier=None, target_epsilon=3.0,
+    tr = dp_trainer(tmp_path, dp=dict(sampler="shuffle", noise_multiplier=None, target_epsilon=3.0,
                                       target_delta=1e-5), max_steps=10)
     with pytest.warns(dpcore.ledger.LedgerWarning):
         tr.train()
@@ -446,7 +496,11 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="noise_multiplier"):
         make(noise_multiplier=-1.0, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="clipping"):
+        make(noise_multiplier=1.0, max_grad_norm=1.0, clipping="per_record")
+    with pytest.raises(ValueError, match="needs joint_scales"):
         make(noise_multiplier=1.0, max_grad_norm=1.0, clipping="joint")
+    with pytest.raises(ValueError, match=r"one scale per trainable parameter tensor \(\d+\), got 2"):
+        make(noise_multiplier=1.0, max_grad_norm=1.0, clipping="joint", joint_scales=[1.0, 2.0])
     with pytest.raises(ValueError, match="exceeds the 64 records"):
         DPTrainer(model=gpt2(), args=targs(tmp_path, per_device_train_batch_size=40), train_dataset=DATA,
                   noise_multiplier=1.0, max_grad_norm=1.0)
@@ -476,7 +530,7 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         tr.train()
     assert tr.ledger.num_releases == 0 and len(calls) == 2
-    assert all(a is None for a in tr.dp_optimizer._acc)  # the first micro-batch's records were dropped
+    assert all(a is None for a in tr.dp_optimizer._batch.acc)  # the first micro-batch's records were dropped
 
 
 def test_fp16_grad_scaler_overflow_skips_record_nothing(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import dpcore  # noqa: E402
-from dpcore.tensorflow import DPTrainer, per_record_gradients  # noqa: E402
+from dpcore.tensorflow import CustomLoopTrainer, per_record_gradients  # noqa: E402
 
 
 def logreg(d=5, k=3):
@@ -48,7 +48,7 @@ def test_dp_step_clips_and_ledgers():
     x, y = (rng.normal(size=(40, 5)) * 5).astype(np.float32), rng.integers(0, 3, 40)
     led = dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(), "l.jsonl"))
     w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
-    tr = DPTrainer(m, tf.keras.optimizers.SGD(1.0), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    tr = CustomLoopTrainer(m, tf.keras.optimizers.SGD(1.0), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                    ledger=led, population_size=40, sampling_probability=0.5, noise_multiplier=0.0, max_grad_norm=0.2)
     (xb, yb), = list(tr.batches(x, y, steps=1, seed=3))
     tr.step(xb, yb)
@@ -284,3 +284,76 @@ def test_old_clip_name_still_works_with_a_deprecation_warning():
     assert dp.l2_norm_clip == 0.7
     with pytest.raises(TypeError, match="max_grad_norm= only"):
         dp_logreg(new_ledger(), noise_multiplier=1.0, l2_norm_clip=0.7, max_grad_norm=0.7, expected_batch_size=5.0)
+
+
+
+def test_joint_clipping_equals_numpy_reference_at_zero_noise():
+    # clipping="joint": the weights scaled by 1/α_w, the biases by 1/α_b, clipped jointly, scaled back
+    x, y = data(40)
+    led = new_ledger()
+    scales = [2.0, 0.5]
+    m, dp = dp_logreg(led, noise_multiplier=0.0, max_grad_norm=0.2, population_size=40, sampling_probability=0.5,
+                      clipping="joint", joint_scales=scales)
+    w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
+    src = PoissonBatches(x, y, sampling_probability=0.5, steps=1, seed=11)
+    idx = src.indices(0)
+    dp.fit(src, epochs=1, verbose=0, shuffle=False)
+    assert isinstance(dp.query, dpcore.queries.JointClipQuery)
+    gw, gb = numpy_grads(w0.astype(np.float64), b0.astype(np.float64), x[idx].astype(np.float64), y[idx])
+    norms = np.sqrt(((gw / scales[0]) ** 2).reshape(len(idx), -1).sum(1) + ((gb / scales[1]) ** 2).sum(1))
+    f = np.minimum(1.0, 0.2 / norms)
+    assert f.min() < 0.5  # clipping is active
+    w1, b1 = [v.numpy() for v in m.trainable_variables]
+    np.testing.assert_allclose(w0 - w1, (f[:, None, None] * gw).sum(0) / 20.0, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(b0 - b1, (f[:, None] * gb).sum(0) / 20.0, rtol=1e-4, atol=1e-6)
+    assert [(e.l2_norm_clip, e.stddev) for e in led.samples[0].queries] == [(0.2, 0.0)]
+    with pytest.raises(ValueError, match="needs joint_scales"):
+        dp_logreg(new_ledger(), noise_multiplier=1.0, max_grad_norm=0.2, expected_batch_size=5.0, clipping="joint")
+    with pytest.raises(ValueError, match="joint_scales with one scale per part"):
+        _, bad = dp_logreg(new_ledger(), noise_multiplier=1.0, max_grad_norm=0.2, expected_batch_size=5.0,
+                           clipping="joint", joint_scales=[1.0])
+        bad.query
+
+
+def test_discrete_gaussian_and_target_epsilon_in_make_private():
+    from dpcore.tensorflow import make_private_with_epsilon
+
+    x, y = data(40)
+    led = new_ledger()
+    _, dp = dp_logreg(led, noise_multiplier=1.0, max_grad_norm=0.5, population_size=40, sampling_probability=0.25,
+                      noise_mechanism="discrete_gaussian")
+    dp.fit(PoissonBatches(x, y, sampling_probability=0.25, steps=1), epochs=1, verbose=0)
+    ev = led.samples[0].queries[0]
+    assert ev.mechanism == "discrete_gaussian" and ev.l2_norm_clip >= 0.5
+    # make_private(target_epsilon=, target_delta=, epochs=) is make_private_with_epsilon
+    kw = dict(max_grad_norm=1.0, population_size=40, sampling_probability=0.25)
+    a = make_private(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5, epochs=2,
+                     ledger=new_ledger(), **kw)
+    b = make_private_with_epsilon(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5,
+                                  epochs=2, ledger=new_ledger(), **kw)
+    assert a.noise_multiplier == b.noise_multiplier > 0
+    with pytest.raises(ValueError, match="not both"):
+        make_private(logreg(), tf.keras.optimizers.SGD(0.5), noise_multiplier=1.0, target_epsilon=3.0,
+                     target_delta=1e-5, epochs=2, **kw)
+    with pytest.raises(TypeError, match="noise_multiplier=, or target_epsilon="):
+        make_private(logreg(), tf.keras.optimizers.SGD(0.5), **kw)
+    with pytest.raises(ValueError, match="calibrates for noise_mechanism='gaussian' only"):
+        make_private(logreg(), tf.keras.optimizers.SGD(0.5), target_epsilon=3.0, target_delta=1e-5, epochs=2,
+                     noise_mechanism="discrete_gaussian", **kw)
+
+
+def test_custom_loop_trainer_clipping_modes_and_old_name():
+    m = logreg()
+    led = new_ledger()
+    kw = dict(ledger=led, population_size=40, sampling_probability=0.5, noise_multiplier=1.0, max_grad_norm=1.0)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    tr = CustomLoopTrainer(m, tf.keras.optimizers.SGD(1.0), loss, clipping="per_layer", **kw)
+    assert isinstance(tr.query, dpcore.NestedQuery) and len(tr.query.leaf_queries) == 2
+    tr = CustomLoopTrainer(m, tf.keras.optimizers.SGD(1.0), loss, clipping="joint", joint_scales=[1.0, 2.0], **kw)
+    assert isinstance(tr.query, dpcore.queries.JointClipQuery)
+    with pytest.raises(ValueError, match="cyclic order"):
+        CustomLoopTrainer(m, tf.keras.optimizers.SGD(1.0), loss, noise_mechanism="blt", **kw)
+    # the old name: a deprecated alias
+    with pytest.warns(DeprecationWarning, match="DPTrainer is deprecated; it is called CustomLoopTrainer"):
+        from dpcore.tensorflow import DPTrainer
+    assert DPTrainer is CustomLoopTrainer

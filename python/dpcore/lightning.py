@@ -75,7 +75,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from ._validate import positive as _positive
-from ._adapters import check_noise_or_target
+from . import _names
+from ._adapters import check_noise_or_target, resolve_sampler
 from .ledger import PrivacyLedger
 from .torch import DPOptimizer, make_private, make_private_with_epsilon
 
@@ -87,7 +88,6 @@ _REFUSED_KW = {
         "micro-batches make the loader yield more batches than its length (its logical batches), and Lightning ends "
         "the epoch after len(loader) batches, in the middle of a logical batch"
     ),
-    "noise_mechanism": "matrix-factorization noise is not wired to Lightning yet; use dpcore.torch.make_private in a torch loop",
     "grad_scaler": "the GradScaler is Lightning's (precision='16-mixed'), which DPCallback refuses",
     "keep_loader": "keep_loader configures matrix-factorization noise",
     "strategy": "strategy= configures matrix-factorization noise",
@@ -205,9 +205,11 @@ class DPCallback(pl.Callback):
       Lightning run usually does): see :meth:`dpcore.torch.DPOptimizer.load_state_dict`.
       ``"keep"`` resumes from the checkpoint with those releases still counted in ε.
     * ``seed``: tests and reproductions only (the sampling and the noise become predictable).
-    * Further keywords go to :func:`dpcore.torch.make_private` (``clipping``, ``loss_reduction``,
-      ``sampler``, ``poisson_sampling``, ``query``, ``mechanism``, ...); ``max_physical_batch_size``
-      and the matrix-factorization options are refused (ValueError, saying why).
+    * Further keywords go to :func:`dpcore.torch.make_private` (``clipping``, ``joint_scales``,
+      ``loss_reduction``, ``sampler``, ``query``, ``noise_mechanism`` ``"gaussian"`` or
+      ``"discrete_gaussian"``, ...); ``max_physical_batch_size`` and the matrix-factorization
+      options (``noise_mechanism="banded"`` or ``"blt"``, ``strategy``, ``participation``) are
+      refused (ValueError, saying why).
 
     After ``on_fit_start``: :attr:`optimizer` (the :class:`~dpcore.torch.DPOptimizer`),
     :attr:`data_loader` (the DP loader), :attr:`ledger`; :meth:`get_epsilon` at any time after.
@@ -254,6 +256,22 @@ class DPCallback(pl.Callback):
                 raise ValueError(f"DPCallback does not support {k}=: {_REFUSED_KW[k]}")
             if k in ("noise_multiplier", "ledger", "seed", "target_epsilon", "target_delta"):
                 raise TypeError(f"{k} is a DPCallback argument of its own")
+        # the old names (mechanism=, poisson_sampling=) mapped here, so that they warn once, now
+        make_private_kwargs = dict(make_private_kwargs)
+        if "mechanism" in make_private_kwargs or "noise_mechanism" in make_private_kwargs:
+            nm = _names.noise_mechanism(make_private_kwargs.pop("noise_mechanism", None),
+                                        make_private_kwargs.pop("mechanism", None))
+            if nm in _names.MF_NOISE:
+                raise ValueError(
+                    f"DPCallback does not support noise_mechanism={nm!r}: matrix-factorization noise needs dpcore's "
+                    "cyclic loader and its planned steps, not wired to Lightning yet; use dpcore.torch.make_private in a "
+                    "torch loop"
+                )
+            make_private_kwargs["noise_mechanism"] = nm
+        if "poisson_sampling" in make_private_kwargs:
+            make_private_kwargs["sampler"] = resolve_sampler(
+                make_private_kwargs.get("sampler"), make_private_kwargs.pop("poisson_sampling")
+            )
         self.noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.delta = float(delta)

@@ -39,7 +39,8 @@ from ..matrix_factorization._noise import CorrelatedNoise
 from ..matrix_factorization._participation import Participation, canonical_json
 from ..matrix_factorization._strategies import BandedStrategy, BLTStrategy, ToeplitzStrategy
 from .._validate import count
-from .base import DPQuery, ReleasePlan, SumState, check_parts, derive_seed, nonnegative, positive
+from .._seeds import derive_seed
+from .base import DPQuery, ReleasePlan, SumState, check_parts, nonnegative, positive
 from .gaussian import GaussianSumQuery
 
 __all__ = ["MatrixFactorizationQuery", "MatrixFactorizationGlobalState", "NoiseStream"]

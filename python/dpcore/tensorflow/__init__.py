@@ -15,7 +15,9 @@ over the batch (one gradient per record, materialised, optionally in micro-batch
 variable for per-layer clipping; McMahan et al. 2018 §2) clips them in the Rust core, adds
 ChaCha20 Gaussian noise, and the release is written durably to the ledger before the optimizer
 applies it (McMahan et al. 2018, §6). :class:`PoissonBatches` draws the batches with
-:func:`dpcore.poisson_sample`. :class:`DPTrainer` is the same step for a hand-written loop.
+:func:`dpcore.poisson_sample`. :class:`CustomLoopTrainer` is the same step for a hand-written
+training loop (its old name ``DPTrainer`` is a deprecated alias: it collided with
+:class:`dpcore.transformers.DPTrainer`, the Hugging Face trainer).
 Requires the ``tensorflow`` extra (Keras 3).
 """
 
@@ -27,7 +29,6 @@ import numpy as np
 import tensorflow as tf
 
 from ..ledger import PrivacyLedger
-from ..queries import GaussianAverageQuery
 from ..queries.base import DPQuery
 from ..sampling import poisson_sample
 from ._data import (
@@ -38,12 +39,27 @@ from ._data import (
     SampledBatches,
     TruncatedPoissonBatches,
 )
-from ._keras import DPModel, make_private, make_private_with_epsilon
+from ._keras import DPModel
+from ._make_private import make_private, make_private_with_epsilon
 
 __all__ = [
     "make_private", "make_private_with_epsilon", "DPModel", "PoissonBatches", "CyclicBatches", "SampledBatches",
-    "TruncatedPoissonBatches", "BallsInBinsBatches", "RandomAllocationBatches", "per_record_gradients", "DPTrainer",
+    "TruncatedPoissonBatches", "BallsInBinsBatches", "RandomAllocationBatches", "per_record_gradients",
+    "CustomLoopTrainer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # DPTrainer was the custom-loop trainer's name; it collided with dpcore.transformers.DPTrainer
+    if name == "DPTrainer":
+        import warnings
+
+        warnings.warn(
+            "dpcore.tensorflow.DPTrainer is deprecated; it is called CustomLoopTrainer now (DPTrainer is the Hugging "
+            "Face trainer, dpcore.transformers.DPTrainer)", DeprecationWarning, stacklevel=2,
+        )
+        return CustomLoopTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def per_record_gradients(model: tf.keras.Model, loss_fn: Callable[[Any, Any], Any], x: Any, y: Any) -> List[tf.Tensor]:
@@ -62,30 +78,55 @@ def per_record_gradients(model: tf.keras.Model, loss_fn: Callable[[Any, Any], An
     return tf.vectorized_map(one, (x, y))
 
 
-class DPTrainer:
-    """A DP training step for a Keras model: ``trainer.step(x, y)`` per Poisson batch.
+class CustomLoopTrainer:
+    """A DP training step for a Keras model in a hand-written training loop: ``trainer.step(x, y)``
+    per Poisson batch.
 
-    ``query`` defaults to ``GaussianAverageQuery(C, z·C, q·n)``. :meth:`batches` yields Poisson
-    samples of (x, y) drawn by dpcore's CSPRNG sampler and recorded in ``ledger``; an empty
-    batch must be stepped too (it releases pure noise). ``get_epsilon(delta)`` reads the ledger.
+    ``query`` defaults to the query of ``clipping`` (:func:`dpcore.queries._build.clipping_query`,
+    as :class:`DPModel` and the torch optimizer build it): ``"flat"``,
+    ``GaussianAverageQuery(C, z·C, q·n)``; ``"per_layer"``, C/√m per trainable variable (or a list
+    ``max_grad_norm``); ``"joint"``, a :class:`~dpcore.JointClipQuery` with ``joint_scales``. The
+    per-layer and joint queries need the model built (its variables). ``noise_mechanism``:
+    ``"gaussian"`` (the default) or ``"discrete_gaussian"`` (with ``granularity``). :meth:`batches`
+    yields Poisson samples of (x, y) drawn by dpcore's CSPRNG sampler and recorded in ``ledger``;
+    an empty batch must be stepped too (it releases pure noise). ``get_epsilon(delta)`` reads the
+    ledger.
     """
 
     def __init__(self, model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, loss_fn: Callable[[Any, Any], Any],
                  *, ledger: PrivacyLedger, population_size: int, sampling_probability: Optional[float] = None,
-                 noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, query: Optional[DPQuery] = None,
-                 sample_rate: Optional[float] = None) -> None:
-        from .._names import renamed
+                 noise_multiplier: float = 1.0, max_grad_norm: Any = 1.0, query: Optional[DPQuery] = None,
+                 clipping: str = "flat", joint_scales: Any = None, noise_mechanism: Optional[str] = None,
+                 granularity: Optional[float] = None, sample_rate: Optional[float] = None) -> None:
+        from .. import _names
+        from ..queries._build import clipping_query
 
-        sampling_probability = renamed("sampling_probability", sampling_probability, "sample_rate", sample_rate)
+        sampling_probability = _names.renamed("sampling_probability", sampling_probability, "sample_rate", sample_rate)
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.PrivacyLedger, got {type(ledger).__name__}")
+        nm = _names.noise_mechanism(noise_mechanism)
+        if nm in _names.MF_NOISE:
+            raise ValueError(
+                f"noise_mechanism={nm!r}: the custom-loop trainer draws Poisson batches, and matrix-factorization noise "
+                "needs the fixed cyclic order its strategy is planned for; use dpcore.tensorflow.make_private("
+                f"noise_mechanism={nm!r}, epochs=..., ...) with CyclicBatches"
+            )
         self.model, self.optimizer, self.loss_fn, self.ledger = model, optimizer, loss_fn, ledger
         self.n, self.q = int(population_size), float(sampling_probability)
-        self.query = query or GaussianAverageQuery(max_grad_norm, noise_multiplier * max_grad_norm, self.q * self.n)
+        if query is None:
+            m = len(model.trainable_variables) if clipping != "flat" else 1
+            if m == 0:
+                raise ValueError(f"clipping={clipping!r} needs the model's variables: build it first (e.g. keras.Input)")
+            query = clipping_query(
+                m, clipping=clipping, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                denominator=self.q * self.n, noise_mechanism=nm, granularity=granularity, joint_scales=joint_scales,
+                what="trainable variables",
+            )
+        self.query = query
         self.global_state = self.query.initial_global_state()
 
     def batches(self, x: np.ndarray, y: np.ndarray, steps: Optional[int] = None, *, seed: Optional[int] = None):
-        from ..queries.base import derive_seed
+        from .._seeds import derive_seed
 
         for s in range(steps or max(1, round(1 / self.q))):
             idx = poisson_sample(self.n, self.q, ledger=self.ledger, seed=derive_seed(seed, s))

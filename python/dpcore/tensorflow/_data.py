@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from .._attrs import readonly
 from .._validate import real as _real
-from ..queries.base import derive_seed
+from .._seeds import derive_seed
 from ..sampling import poisson_sample
 
 __all__ = [
@@ -164,7 +164,7 @@ class CyclicBatches(tf.keras.utils.PyDataset):
         **kwargs: Any,
     ) -> None:
         from ..matrix_factorization._participation import Participation
-        from ..sampling import CyclicBatches as _Fixed, CyclicPoissonSampler
+        from ..sampling import CyclicPoissonSampler, CyclicSampler as _Fixed
 
         super().__init__(**kwargs)
         self._x, self._y, self._sw, n = _records(x, y, sample_weight)

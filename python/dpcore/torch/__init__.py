@@ -35,12 +35,14 @@ Requires the ``torch`` extra (``pip install 'dpcore[torch]'``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader
 
-from .. import _adapters
+from .. import _adapters, _names
+from ..plan import calibrate_noise, steps_for_epochs
 from .._validate import count
 from ..ledger import PrivacyLedger
 from ._cyclic import CyclicDataLoader, FixedOrderLoader
@@ -89,7 +91,7 @@ def make_private(
     grad_sample_mode: str = "auto",
     batch_first: bool = True,
     poisson_sampling: Optional[bool] = None,
-    mechanism: str = "gaussian",
+    mechanism: Optional[str] = None,
     granularity: Optional[float] = None,
     grad_scaler: Any = None,
     seed: Optional[int] = None,
@@ -101,6 +103,9 @@ def make_private(
     sampler: Optional[str] = None,
     max_batch_size: Optional[int] = None,
     num_selected: int = 1,
+    target_epsilon: Optional[float] = None,
+    target_delta: Optional[float] = None,
+    accountant: Optional[str] = None,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
 
@@ -109,17 +114,20 @@ def make_private(
     ``optimizer.ledger.path``). The optimizer becomes a :class:`DPOptimizer` with
     ``expected_batch_size`` = q·n. The model is returned as is, with its layers' forward
     methods instrumented (``optimizer.engine.remove()`` undoes it). With
-    ``poisson_sampling=False`` the loader is kept (its batches, shuffled or not, the last short
+    ``sampler="shuffle"`` the loader is kept (its batches, shuffled or not, the last short
     one included) and every batch is recorded as a ``shuffle`` sample: accounted without
     amplification (``get_epsilon`` warns with a ``LedgerWarning``), the average divided by the
     loader's ``batch_size``. ``seed`` is for tests only (no privacy).
+
+    ``noise_multiplier`` σ, or ``target_epsilon`` with ``target_delta`` and ``epochs`` (σ then
+    calibrated by :func:`make_private_with_epsilon`, under ``accountant``): exactly one of the two.
 
     **Samplers.** ``sampler=`` picks how each logical batch is drawn from the n records, for
     the DataLoader's ``batch_size`` bs (the expected batch); each sample is recorded in the
     ledger with the sampler's own policy, and ``optimizer.get_epsilon(delta)`` is that
     sampler's certified ε (see :mod:`dpcore.accounting.samplers`):
 
-    * ``"poisson"`` (the default; ``poisson_sampling=True``): the :class:`DPDataLoader` above.
+    * ``"poisson"`` (the default): the :class:`DPDataLoader` above.
     * ``"truncated_poisson"``: Poisson at q = bs/n, capped at ``max_batch_size`` B (required;
       a value a few standard deviations above q·n, e.g. ceil(q·n + 4·sqrt(q·n·(1 − q))),
       binds rarely and costs almost no privacy): a step never holds more than B records. ε by
@@ -129,7 +137,7 @@ def make_private(
     * ``"random_allocation"``: every record takes part in exactly ``num_selected`` = k of each
       round's t = round(n·k/bs) steps, a uniformly random k-subset (Feldman & Shenfeld 2025,
       arXiv 2502.08202); ``len(loader)`` is t (k passes over the data).
-    * ``"shuffle"`` (``poisson_sampling=False``): the DataLoader's own batches, described below.
+    * ``"shuffle"``: the DataLoader's own batches, described above.
 
     The allocation samplers are certified by Rényi DP only (:mod:`dpcore.accounting.allocation`;
     the PLD accountant refuses them), so ``get_epsilon`` uses ``accountant="rdp"`` for them
@@ -160,7 +168,7 @@ def make_private(
 
     ``ledger``: a :class:`dpcore.PrivacyLedger`, a path, or None (a temporary file).
 
-    ``mechanism="discrete_gaussian"`` (with an optional ``granularity`` γ) makes the noise
+    ``noise_mechanism="discrete_gaussian"`` (with an optional ``granularity`` γ) makes the noise
     floating-point safe (Canonne, Kamath & Steinke 2020): each group's clipped sum is rounded
     onto the grid γ·ℤ^d and noised with exact discrete Gaussian integers from ChaCha20 in the
     core, and the ledger records the sensitivity of a rounded sum, C + √d·γ. The clipped sum is
@@ -185,9 +193,8 @@ def make_private(
     same on every rank): rank 0 opens the file and writes it; the other ranks keep an in-memory
     replica, so ``optimizer.get_epsilon`` answers on every rank. Noise is added once, by rank 0.
 
-    **Correlated noise** (``noise_mechanism="banded"``, ``"blt"`` or ``"independent"``;
-    ``poisson_sampling`` defaults to True only when ``noise_mechanism`` is not given, and the
-    path above is unchanged then). A matrix-factorization (MF) mechanism adds σ·(C⁻¹z)_t at step
+    **Correlated noise** (``noise_mechanism="banded"`` or ``"blt"``; the default
+    ``noise_mechanism="gaussian"`` is the path above, unchanged). A matrix-factorization (MF) mechanism adds σ·(C⁻¹z)_t at step
     t for a Toeplitz strategy C (:mod:`dpcore.matrix_factorization`); it needs no random
     sampling but a fixed, cyclic data order, and ``epochs`` (required) plans its
     steps = epochs × b:
@@ -196,9 +203,9 @@ def make_private(
       the dataset is shuffled **once** (ChaCha20) and cut into b = n // batch_size fixed batches
       of the DataLoader's ``batch_size``; the n mod batch_size records left over are **never
       trained on** (``loader.dropped``); step t uses batch t mod b, in the same order every
-      epoch. ``poisson_sampling=True`` with ``participation=Participation.cyclic_poisson(b,
-      p)``: cyclic Poisson sampling (amplified banded MF: b groups, each record of group
-      t mod b with probability p at step t; the average's denominator is p·n/b).
+      epoch. ``participation=Participation.cyclic_poisson(b, p)``: cyclic Poisson sampling
+      (amplified banded MF: b groups, each record of group t mod b with probability p at step
+      t; the average's denominator is p·n/b).
       ``keep_loader=True``: the DataLoader's own batches, kept, if its order provably repeats
       every epoch (``shuffle=False`` over a map-style dataset); b = len(data_loader).
     * the strategy: ``strategy=`` (a :class:`~dpcore.matrix_factorization.BandedStrategy` or
@@ -207,8 +214,9 @@ def make_private(
       participation schema (``"blt"``: 2 buffers; ``"banded"``: min(b, steps, 64) bands), for
       the workload of the optimizer's updates: with ``torch.optim.SGD(momentum=β)`` (one β for
       all groups) the prefix sums of momentum-filtered steps, else plain prefix sums.
-      ``"independent"`` is C = I: DP-SGD over the cyclic fixed batches, accounted honestly
-      (no amplification: the whole run is one Gaussian mechanism at z).
+      ``noise_mechanism="banded"`` with ``strategy=dpcore.matrix_factorization.IDENTITY`` is
+      C = I: DP-SGD over the cyclic fixed batches, accounted honestly (no amplification: the
+      whole run is one Gaussian mechanism at z).
     * ``noise_multiplier`` is the **effective** one: σ = z·C·sens(C) with sens(C) the
       strategy's sensitivity over the planned steps, so ε depends on z (and, for cyclic Poisson
       sampling, on p and the epochs), not on the strategy. Flat clipping only. The optimizer
@@ -227,19 +235,39 @@ def make_private(
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
-    if noise_mechanism is not None:
+    noise_mechanism = _names.noise_mechanism(noise_mechanism, mechanism)
+    noise_mechanism, strategy = _names.legacy_independent(noise_mechanism, strategy)
+    if _adapters.wants_target(noise_multiplier, target_epsilon, target_delta, epochs, "make_private"):
+        return make_private_with_epsilon(
+            model, optimizer, data_loader, target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+            max_grad_norm=max_grad_norm, accountant=accountant, query=query, ledger=ledger, clipping=clipping,
+            joint_scales=joint_scales, max_physical_batch_size=max_physical_batch_size, loss_reduction=loss_reduction,
+            grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
+            granularity=granularity, grad_scaler=grad_scaler, seed=seed, noise_mechanism=noise_mechanism,
+            strategy=strategy, participation=participation, keep_loader=keep_loader, sampler=sampler,
+            max_batch_size=max_batch_size, num_selected=num_selected,
+        )
+    if accountant is not None:
+        raise ValueError("accountant= is the calibration's accountant: give it with target_epsilon=")
+    if noise_mechanism in _names.MF_NOISE:
         if sampler is not None or max_batch_size is not None or num_selected != 1:
             raise ValueError(
                 "sampler, max_batch_size and num_selected choose DP-SGD's sampling; matrix-factorization noise "
-                "(noise_mechanism=) trains over a cyclic order instead (fixed batches, or cyclic Poisson sampling with "
-                "poisson_sampling=True and participation=)"
+                f"(noise_mechanism={noise_mechanism!r}) trains over a cyclic order instead (fixed batches, or cyclic "
+                "Poisson sampling with participation=Participation.cyclic_poisson(b, p))"
+            )
+        if poisson_sampling is not None:
+            warnings.warn(
+                "poisson_sampling= is deprecated; with matrix-factorization noise participation= chooses the data "
+                "order (Participation.cyclic_poisson(b, p): cyclic Poisson sampling; otherwise cyclic fixed batches)",
+                DeprecationWarning, stacklevel=2,
             )
         return _make_private_mf(
             model, optimizer, data_loader, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
             query=query, ledger=ledger, clipping=clipping, joint_scales=joint_scales,
             max_physical_batch_size=max_physical_batch_size, loss_reduction=loss_reduction,
             grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
-            mechanism=mechanism, granularity=granularity, grad_scaler=grad_scaler, seed=seed,
+            mechanism="gaussian", granularity=granularity, grad_scaler=grad_scaler, seed=seed,
             noise_mechanism=noise_mechanism, strategy=strategy, epochs=epochs, participation=participation,
             keep_loader=keep_loader,
         )
@@ -248,8 +276,8 @@ def make_private(
         given.append("keep_loader")
     if given:
         raise ValueError(
-            f"{', '.join(given)} configure matrix-factorization noise: give noise_mechanism='banded', 'blt' or "
-            "'independent' with them"
+            f"{', '.join(given)} configure matrix-factorization noise: give noise_mechanism='banded' or 'blt' with them"
+            + (" (epochs= alone goes with target_epsilon=)" if given == ["epochs"] else "")
         )
     kind = _adapters.resolve_sampler(sampler, poisson_sampling)
     n = len(data_loader.dataset) if hasattr(data_loader.dataset, "__len__") else None  # type: ignore[arg-type]
@@ -260,7 +288,7 @@ def make_private(
         refuse_distributed(kind)
     if comm is not None and kind == "shuffle":
         raise ValueError(
-            "poisson_sampling=False is not supported under torch.distributed: the ranks' shuffled batches "
+            "sampler='shuffle' is not supported under torch.distributed: the ranks' shuffled batches "
             "would not form one recorded sample; use Poisson sampling"
         )
     ledger = resolve_ledger(ledger, comm)
@@ -290,7 +318,7 @@ def make_private(
         ledger=ledger,
         clipping=clipping,
         joint_scales=joint_scales,
-        mechanism=mechanism,
+        mechanism=noise_mechanism,
         granularity=granularity,
         loss_reduction=loss_reduction,
         grad_sample_mode=grad_sample_mode,
@@ -326,7 +354,7 @@ class _ShuffledLoader:
         bs = data_loader.batch_size
         if bs is None:
             raise ValueError(
-                "poisson_sampling=False needs a DataLoader with a batch_size (the denominator of the average)"
+                "sampler='shuffle' needs a DataLoader with a batch_size (the denominator of the average)"
             )
         sampler = data_loader.sampler
         if type(sampler) is torch.utils.data.RandomSampler and not sampler.replacement and sampler._num_samples is None:
@@ -335,7 +363,7 @@ class _ShuffledLoader:
             self.policy = "sequential"
         else:
             raise ValueError(
-                f"poisson_sampling=False accounts a DataLoader whose sampler is a RandomSampler without replacement "
+                f"sampler='shuffle' accounts a DataLoader whose sampler is a RandomSampler without replacement "
                 f"(shuffle=True) or a SequentialSampler (shuffle=False), so that every record is in one batch an epoch; "
                 f"got {type(sampler).__name__}, which may repeat or leave out records. Use Poisson sampling "
                 "(the default) or one of dpcore's samplers (sampler=...)"
@@ -394,7 +422,7 @@ class _ShuffledLoader:
     def check_state_dict(self, state: Any) -> None:
         if not isinstance(state, dict) or state.get("kind") != "ShuffledLoader":
             kind = state.get("kind") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not the state of a poisson_sampling=False loader (kind {kind!r})")
+            raise ValueError(f"not the state of a sampler='shuffle' loader (kind {kind!r})")
         for key in ("samples_drawn", "pass_position"):
             v = state.get(key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -471,12 +499,12 @@ def _make_private_mf(
 
 
 def _calibrated_noise(target_epsilon: Any, target_delta: Any, epochs: Any, q: float, accountant: str) -> Tuple[float, int]:
-    """(σ, steps) for ``epochs`` expected passes of round(1/q) Poisson steps each."""
-    from .. import accounting
-
-    epochs = count("epochs", epochs, 1)
-    steps = int(epochs) * max(1, round(1.0 / q))
-    z = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant=accountant)
+    """(σ, steps) for ``epochs`` passes of Poisson sampling at q (:func:`dpcore.plan.steps_for_epochs`:
+    round(1/q) steps an epoch, the DP loader's length), by the one calibration path."""
+    count("epochs", epochs, 1)
+    steps = steps_for_epochs("poisson", epochs, q)
+    z = calibrate_noise(target_epsilon, target_delta, sampler="poisson", sampling_probability=q, steps=steps,
+                        accountant=accountant)
     return z, steps
 
 
@@ -501,7 +529,7 @@ def make_private_with_epsilon(
     than the target; ``optimizer.get_epsilon(delta)`` always reports what was spent.
 
     With ``sampler=`` (see :func:`make_private`) σ is calibrated with that sampler's own
-    accounting: the smallest z (to 1e-5 relative, from above: :func:`dpcore._adapters.calibrate`)
+    accounting: the smallest z (to 1e-5 relative, from above: :func:`dpcore.plan.calibrate_noise`)
     whose ``loader.sampler.accountant_event(z, steps)`` meets the target under the sampler's
     accountant (default: PLD for ``"truncated_poisson"``, RDP for the allocation samplers, which
     have no certified PLD analysis: ``accountant="pld"`` is refused for them). ``steps`` is
@@ -515,24 +543,29 @@ def make_private_with_epsilon(
     (:func:`dpcore.matrix_factorization.calibrate_noise_multiplier`: one Gaussian mechanism for
     cyclic fixed batches; ⌈steps/b⌉ Poisson-subsampled Gaussian steps at p for cyclic Poisson
     sampling)."""
-    if kwargs.get("mechanism", "gaussian") != "gaussian":
+    nm = _names.noise_mechanism(kwargs.pop("noise_mechanism", None), kwargs.pop("mechanism", None))
+    if nm == "discrete_gaussian":
         # The calibration solves the Gaussian's accounting; the discrete Gaussian's (a looser RDP
         # bound, and a larger sensitivity after rounding) would overshoot the target.
         raise ValueError(
-            "make_private_with_epsilon calibrates for mechanism='gaussian' only; for the discrete Gaussian give "
-            "noise_multiplier to make_private and read optimizer.get_epsilon(delta)"
+            "make_private_with_epsilon calibrates for noise_mechanism='gaussian' only (and 'banded', 'blt'); for the "
+            "discrete Gaussian give noise_multiplier to make_private and read optimizer.get_epsilon(delta)"
         )
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
     if "noise_multiplier" in kwargs:
         raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
-    if kwargs.get("noise_mechanism") is not None:
+    nm, strategy = _names.legacy_independent(nm, kwargs.get("strategy"))
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    kwargs["noise_mechanism"] = nm
+    if nm in _names.MF_NOISE:
         from ..matrix_factorization import calibrate_noise_multiplier as mf_calibrate
         from ._mf import schedule
 
         accountant = "pld" if accountant is None else accountant
         sched = schedule(
-            data_loader, noise_mechanism=kwargs["noise_mechanism"], epochs=epochs,
+            data_loader, noise_mechanism=nm, epochs=epochs,
             participation=kwargs.get("participation"), poisson_sampling=kwargs.get("poisson_sampling"),
             keep_loader=kwargs.get("keep_loader", False),
         )
@@ -544,7 +577,8 @@ def make_private_with_epsilon(
         )
     if data_loader.batch_size is None:
         raise ValueError("data_loader has no batch_size to derive the sampling probability from")
-    kind = _adapters.resolve_sampler(kwargs.get("sampler"), kwargs.get("poisson_sampling"))
+    kind = _adapters.resolve_sampler(kwargs.pop("sampler", None), kwargs.pop("poisson_sampling", None))
+    kwargs["sampler"] = kind
     if kind in _adapters.DRAWN:
         return _with_epsilon_sampled(
             model, optimizer, data_loader, kind, target_epsilon=target_epsilon, target_delta=target_delta,
@@ -559,15 +593,14 @@ def make_private_with_epsilon(
 
 
 def _calibrated_shuffle_noise(target_epsilon: Any, target_delta: Any, epochs: Any, batches: int, accountant: Any) -> float:
-    """σ for ``epochs`` epochs of a shuffled or fixed-order loader as the ledger states them by
-    default (zero-out, :mod:`dpcore.ledger._events`): each epoch one Gaussian query of
-    sensitivity C, no amplification; the Poisson calibration at q = 1 over ``epochs`` steps.
-    (``batches`` per epoch do not change it: a record is in one of them.)"""
-    from .. import accounting
-
-    return accounting.calibrate_noise_multiplier(
-        target_epsilon, target_delta, 1.0, count("epochs", epochs, 1), accountant="pld" if accountant is None else accountant
-    )
+    """σ for ``epochs`` epochs of ``batches`` steps of a shuffled or fixed-order loader as the
+    ledger states them by default (zero-out: each epoch one Gaussian query of sensitivity C, no
+    amplification), by the one calibration path."""
+    e = count("epochs", epochs, 1)
+    q = 1.0 / batches
+    steps = steps_for_epochs("shuffle", e, q, steps_per_epoch=batches)
+    return calibrate_noise(target_epsilon, target_delta, sampler="shuffle", sampling_probability=q, steps=steps,
+                           steps_per_epoch=batches, accountant=accountant)
 
 
 def _with_epsilon_sampled(
@@ -584,5 +617,7 @@ def _with_epsilon_sampled(
         kind, len(ds), data_loader.batch_size,  # type: ignore[arg-type]
         max_batch_size=kwargs.get("max_batch_size"), num_selected=kwargs.get("num_selected", 1),
     )
-    z = _adapters.calibrate(probe, target_epsilon, target_delta, _adapters.planned_steps(probe, epochs), acct)
+    params = probe.parameters()
+    z = calibrate_noise(target_epsilon, target_delta, sampler=kind, steps=probe.steps_for(epochs), accountant=acct,
+                        **params)
     return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)

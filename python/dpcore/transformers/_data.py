@@ -18,14 +18,14 @@ stopped, without drawing (or recording) a sample for the steps it skips.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from ..sampling import sampler_class
 from ..ledger import PrivacyLedger
-from ..queries.base import derive_seed
+from .._seeds import derive_seed
 from ..mechanism import gaussian_noise
 from ..sampling import poisson_sample
 from ..torch._data import _take_none
@@ -77,10 +77,9 @@ class DPRun:
         self.poisson = bool(poisson)
         self.seed = seed
         self.sampling_probability = self.logical_batch_size / self.n
-        if self.poisson:
-            self.steps_per_epoch = max(1, round(1.0 / self.sampling_probability))
-        else:
-            self.steps_per_epoch = max(1, math.ceil(self.n / self.logical_batch_size))
+        self.sampler = "poisson" if self.poisson else "shuffle"
+        # the plan's epoch (dpcore.plan.steps_for_epochs): round(1/q) Poisson steps, ⌈n/b⌉ batches
+        self.steps_per_epoch = sampler_class(self.sampler).epoch_length(min(1.0, self.sampling_probability))
         self.samples_drawn = 0
         self._current: Optional[List[int]] = None  # [serial, micro-batches seen, chunks, size]
         #: Shuffled batches: (the epoch's round in the ledger, the epoch) of the permutation being
@@ -90,6 +89,8 @@ class DPRun:
         self.noise_multiplier = float("nan")
         self.max_grad_norm: Any = None
         self.clipping = "flat"
+        self.joint_scales: Optional[Tuple[float, ...]] = None
+        self.noise_mechanism = "gaussian"
         self.planned_steps = 0
         self.delta = float("nan")
         self.accountant = "pld"

@@ -34,12 +34,12 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .._adapters import check_noise_or_target
-from .._validate import positive as _positive
+from ..plan import calibrate_noise, steps_for_epochs
 from ..ledger import PrivacyLedger
 from ..torch import DPOptimizer
 from ._data import TAG, BatchTag, DPRun, TrainerBatches
 from ._loss import default_per_record_loss
+from ._options import CLIPPING, SAMPLERS, _DPOptions, _dp_options  # noqa: F401 (CLIPPING, SAMPLERS: public here)
 
 __all__ = ["DPTrainer", "DPTrainerMixin", "make_private_trainer", "LEDGER_NAME", "STATE_NAME"]
 
@@ -83,46 +83,6 @@ def _find_dp(opt: Any) -> Optional[DPOptimizer]:
     return None
 
 
-def _check_dp_kwargs(
-    noise_multiplier: Any,
-    target_epsilon: Any,
-    target_delta: Any,
-    max_grad_norm: Any,
-    clipping: str,
-    delta: Any,
-    per_record_loss: Any,
-    accountant: str,
-    ledger_ahead: str = "refuse",
-) -> None:
-    """The checks that need neither the model nor the data (run before the Trainer is built)."""
-    check_noise_or_target(noise_multiplier, target_epsilon, target_delta, "the DP trainer")
-    if target_delta is not None:
-        d = _positive("target_delta", target_delta)
-        if d >= 1:
-            raise ValueError(f"target_delta must be in (0, 1), got {d}")
-    if delta is not None:
-        d = _positive("delta", delta)
-        if d >= 1:
-            raise ValueError(f"delta must be in (0, 1), got {d}")
-    if max_grad_norm is None:
-        raise TypeError("the DP trainer needs max_grad_norm= (the per-record clipping bound C)")
-    if isinstance(max_grad_norm, (list, tuple)):
-        if clipping != "per_layer":
-            raise ValueError("a list of max_grad_norm values needs clipping='per_layer'")
-        for k, c in enumerate(max_grad_norm):
-            _positive(f"max_grad_norm[{k}]", c)
-    else:
-        _positive("max_grad_norm", max_grad_norm)
-    if clipping not in ("flat", "per_layer"):
-        raise ValueError(f"clipping must be 'flat' or 'per_layer', got {clipping!r}")
-    if per_record_loss is not None and not callable(per_record_loss):
-        raise TypeError("per_record_loss must be a callable (model, inputs) -> (B,) tensor")
-    if accountant not in ("pld", "rdp"):
-        raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
-    if ledger_ahead not in ("refuse", "keep"):
-        raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
-
-
 class DPTrainerMixin:
     """DP-SGD for a ``transformers.Trainer`` (or any subclass of it, e.g. TRL's ``SFTTrainer``).
 
@@ -136,26 +96,14 @@ class DPTrainerMixin:
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def _dp_setup(
-        self,
-        *,
-        noise_multiplier: Optional[float] = None,
-        target_epsilon: Optional[float] = None,
-        target_delta: Optional[float] = None,
-        max_grad_norm: Any = None,
-        ledger: Any = None,
-        poisson_sampling: bool = True,
-        clipping: str = "flat",
-        delta: Optional[float] = None,
-        per_record_loss: Optional[Callable[[Any, Dict[str, Any]], torch.Tensor]] = None,
-        accountant: str = "pld",
-        ledger_ahead: str = "refuse",
-        seed: Optional[int] = None,
-    ) -> None:
-        _check_dp_kwargs(
-            noise_multiplier, target_epsilon, target_delta, max_grad_norm, clipping, delta, per_record_loss, accountant,
-            ledger_ahead,
-        )
+    def _dp_setup(self, options: Optional[_DPOptions] = None, **dp_kwargs: Any) -> None:
+        """Sets up DP training: with ``options`` checked by :func:`_dp_options` (as
+        :class:`DPTrainer` and :func:`make_private_trainer` do), else from :class:`DPTrainer`'s
+        keyword arguments ``dp_kwargs``, checked here."""
+        o = options if options is not None else _dp_options(**dp_kwargs)
+        noise_multiplier, target_epsilon, target_delta = o.noise_multiplier, o.target_epsilon, o.target_delta
+        ledger, delta, per_record_loss, seed = o.ledger, o.delta, o.per_record_loss, o.seed
+        poisson_sampling = o.sampler == "poisson"
         args = self.args
         self._dp_refuse_unsupported(args)
         ds = self.train_dataset
@@ -182,8 +130,6 @@ class DPTrainerMixin:
                 UserWarning,
                 stacklevel=3,
             )
-        if ledger is not None and not isinstance(ledger, (PrivacyLedger, str, os.PathLike)):
-            raise TypeError(f"ledger must be a dpcore.PrivacyLedger or a path, got {type(ledger).__name__}")
         run = DPRun(
             ledger=None,
             population_size=n,
@@ -193,28 +139,34 @@ class DPTrainerMixin:
             seed=seed,
         )
         # -- σ: given, or calibrated for the planned number of steps
-        steps = int(args.max_steps) if args.max_steps and args.max_steps > 0 else math.ceil(
-            float(args.num_train_epochs) * run.steps_per_epoch
+        q = min(1.0, run.sampling_probability)
+        spe = None if poisson_sampling else run.steps_per_epoch
+        steps = int(args.max_steps) if args.max_steps and args.max_steps > 0 else steps_for_epochs(
+            run.sampler, float(args.num_train_epochs), q, steps_per_epoch=spe
         )
         if noise_multiplier is None:
-            from ..accounting import calibrate_noise_multiplier
-
-            if poisson_sampling:
-                q_acc, n_acc = run.sampling_probability, max(1, steps)
-            else:
-                # shuffled batches, no amplification: one Gaussian query per epoch begun, as the
-                # ledger states them under the run's relation (zero-out)
-                q_acc, n_acc = 1.0, max(1, -(-steps // run.steps_per_epoch))
-            noise_multiplier = calibrate_noise_multiplier(
-                float(target_epsilon), float(target_delta), q_acc, n_acc, accountant=accountant  # type: ignore[arg-type]
+            # shuffled batches: no amplification, one Gaussian query per epoch begun, as the
+            # ledger states them under the run's relation (zero-out)
+            noise_multiplier = calibrate_noise(
+                float(target_epsilon), float(target_delta), sampler=run.sampler, sampling_probability=q,  # type: ignore[arg-type]
+                steps=max(1, steps), steps_per_epoch=spe, accountant=o.accountant,
             )
         run.noise_multiplier = float(noise_multiplier)
-        run.max_grad_norm = max_grad_norm
-        run.clipping = clipping
+        run.max_grad_norm = o.max_grad_norm
+        run.clipping = o.clipping
+        run.joint_scales = o.joint_scales
+        run.noise_mechanism = o.noise_mechanism
         run.planned_steps = steps
         run.delta = float(delta if delta is not None else target_delta if target_delta is not None else 1.0 / (10.0 * n))
-        run.accountant = accountant
+        run.accountant = o.accountant
         model = getattr(self, "model", None)
+        if o.joint_scales is not None and model is not None:
+            m = sum(1 for p in model.parameters() if p.requires_grad)
+            if len(o.joint_scales) != m:
+                raise ValueError(
+                    f"clipping='joint' needs joint_scales with one scale per trainable parameter tensor ({m}), "
+                    f"got {len(o.joint_scales)}"
+                )
         loss_fn = per_record_loss
         if loss_fn is None and model is not None:
             loss_fn = default_per_record_loss(model)
@@ -226,7 +178,7 @@ class DPTrainerMixin:
         if float(getattr(args, "label_smoothing_factor", 0.0) or 0.0) > 0 and per_record_loss is None:
             raise ValueError("label_smoothing_factor is not applied by the built-in per-record losses; pass per_record_loss=")
         run.loss_fn = loss_fn
-        run.ledger_ahead = ledger_ahead
+        run.ledger_ahead = o.ledger_ahead
         # -- the Trainer's own batch clipping and data skipping are off (see the module docstring)
         old = float(args.max_grad_norm or 0.0)
         if old not in (0.0, _DEFAULT_TRAINER_CLIP):
@@ -371,6 +323,8 @@ class DPTrainerMixin:
             expected_batch_size=run.expected_batch_size,
             ledger=run.ledger,
             clipping=run.clipping,
+            joint_scales=None if run.joint_scales is None else list(run.joint_scales),
+            mechanism=run.noise_mechanism,
             loss_reduction="sum",
             data_loader=run,
             # fp16 on CUDA: accelerate's GradScaler. The DP optimizer divides the per-record
@@ -465,6 +419,7 @@ class DPTrainerMixin:
             "noise_multiplier": run.noise_multiplier,
             "max_grad_norm": run.max_grad_norm,
             "clipping": run.clipping,
+            "noise_mechanism": run.noise_mechanism,
             "sampling_probability": run.sampling_probability,
             "population_size": run.n,
             "policy": run.policy,
@@ -541,12 +496,21 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
       by default, ``accountant="rdp"`` too) so that the planned steps (``args.max_steps`` if > 0,
       else ``num_train_epochs × round(1/q)``) are (ε, δ)-DP. Exactly one of the two.
     * ``max_grad_norm`` C: each record's gradient is clipped to norm C (``clipping="flat"``; or
-      ``"per_layer"``, C/√m per parameter tensor, or a list of bounds). ``args.max_grad_norm``, the
-      Trainer's batch clipping, is switched off.
+      ``"per_layer"``, C/√m per parameter tensor, or a list of bounds; or ``"joint"`` with
+      ``joint_scales``, one scale α_p per trainable parameter tensor in the model's order, as
+      :class:`dpcore.torch.DPOptimizer`). ``args.max_grad_norm``, the Trainer's batch clipping,
+      is switched off.
     * ``ledger``: a :class:`dpcore.PrivacyLedger` or a path; default
       ``<args.output_dir>/privacy_ledger.jsonl`` (continued if it exists).
-    * ``poisson_sampling``: True (q = per_device_train_batch_size × gradient_accumulation_steps /
-      n); False: shuffled fixed batches, recorded as ``shuffle`` (accounted without amplification).
+    * ``sampler``: ``"poisson"`` (the default; q = per_device_train_batch_size ×
+      gradient_accumulation_steps / n) or ``"shuffle"`` (shuffled fixed batches, recorded as
+      ``shuffle``: accounted without amplification). The other samplers of
+      :mod:`dpcore.sampling` are refused: the Trainer's own dataloader draws the batches (use
+      :func:`dpcore.torch.make_private` with ``sampler=`` in a torch loop for them).
+    * ``noise_mechanism``: ``"gaussian"`` (the default) or ``"discrete_gaussian"`` (with
+      ``noise_multiplier``; see :func:`dpcore.torch.make_private`). ``"banded"`` and ``"blt"``
+      are refused: matrix-factorization noise needs a fixed cyclic data order, not the
+      Trainer's fresh sample every step.
     * ``delta``: the δ of the ε added to the logs; default ``target_delta``, else 1/(10·n).
     * ``per_record_loss``: ``fn(model, inputs) -> (B,)`` tensor, each record's loss; default by
       the model's class: :func:`causal_lm_per_record_loss` or
@@ -566,34 +530,27 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
         target_delta: Optional[float] = None,
         max_grad_norm: Any = None,
         ledger: Any = None,
-        poisson_sampling: bool = True,
+        sampler: Optional[str] = None,
         clipping: str = "flat",
+        joint_scales: Any = None,
+        noise_mechanism: Optional[str] = None,
         delta: Optional[float] = None,
         per_record_loss: Optional[Callable[[Any, Dict[str, Any]], torch.Tensor]] = None,
         accountant: str = "pld",
         ledger_ahead: str = "refuse",
         seed: Optional[int] = None,
+        poisson_sampling: Optional[bool] = None,
         **trainer_kwargs: Any,
     ) -> None:
-        _check_dp_kwargs(
-            noise_multiplier, target_epsilon, target_delta, max_grad_norm, clipping, delta, per_record_loss, accountant,
-            ledger_ahead,
+        # checked once, before the Trainer is built
+        options = _dp_options(
+            noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
+            max_grad_norm=max_grad_norm, ledger=ledger, sampler=sampler, clipping=clipping, joint_scales=joint_scales,
+            noise_mechanism=noise_mechanism, delta=delta, per_record_loss=per_record_loss, accountant=accountant,
+            ledger_ahead=ledger_ahead, seed=seed, poisson_sampling=poisson_sampling,
         )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        self._dp_setup(
-            noise_multiplier=noise_multiplier,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            max_grad_norm=max_grad_norm,
-            ledger=ledger,
-            poisson_sampling=poisson_sampling,
-            clipping=clipping,
-            delta=delta,
-            per_record_loss=per_record_loss,
-            accountant=accountant,
-            ledger_ahead=ledger_ahead,
-            seed=seed,
-        )
+        self._dp_setup(options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -626,21 +583,11 @@ def make_private_trainer(trainer: Any, **dp_kwargs: Any) -> Any:
         )
     if getattr(args, "padding_free", False):
         raise ValueError("padding_free=True concatenates a batch's examples into one row; set padding_free=False")
-    _check_dp_kwargs(
-        dp_kwargs.get("noise_multiplier"),
-        dp_kwargs.get("target_epsilon"),
-        dp_kwargs.get("target_delta"),
-        dp_kwargs.get("max_grad_norm"),
-        dp_kwargs.get("clipping", "flat"),
-        dp_kwargs.get("delta"),
-        dp_kwargs.get("per_record_loss"),
-        dp_kwargs.get("accountant", "pld"),
-        dp_kwargs.get("ledger_ahead", "refuse"),
-    )
+    options = _dp_options(**dp_kwargs)  # checked once, before the trainer is changed
     base = type(trainer)
     trainer.__class__ = _private_class(base)
     try:
-        trainer._dp_setup(**dp_kwargs)
+        trainer._dp_setup(options)
     except BaseException:
         trainer.__class__ = base
         raise
