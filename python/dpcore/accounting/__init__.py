@@ -35,7 +35,7 @@ from .interop import from_dp_accounting, to_dp_accounting
 from .tuning import draw_num_runs, rdp_repeat_and_select
 from .allocation import rdp_random_allocation
 from .samplers import (
-    SAMPLERS,
+    SAMPLERS,  # the registry's selectable samplers when imported (dpcore.sampling.registered_samplers)
     calibrate_sampler_noise,
     calibrate_sampler_steps,
     sampler_epsilon,
@@ -63,7 +63,6 @@ __all__ = [
     "rdp_repeat_and_select",
     "rdp_random_allocation",
     "draw_num_runs",
-    "SAMPLERS",
     "sampler_event",
     "sampler_epsilon",
     "calibrate_sampler_noise",
