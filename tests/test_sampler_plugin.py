@@ -171,3 +171,47 @@ def test_an_unregistered_policy_is_still_refused(tmp_path):
     led = PrivacyLedger(str(tmp_path / "u.jsonl"))
     with pytest.raises(ValueError, match="policy must be one of"):
         led.record_sample(N, 0.2, NAME)
+
+
+KERAS_CASE = r'''
+import sys, warnings
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import keras
+from test_sampler_plugin import NAME, BernoulliSampler, as_poisson
+from dpcore.ledger import PrivacyLedger
+from dpcore.sampling import register_sampler
+import dpcore.tensorflow as dtf
+
+register_sampler(BernoulliSampler)
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(40, 5)).astype("float32"), rng.integers(0, 3, size=40)
+m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+dp = dtf.make_private(m, keras.optimizers.SGD(0.1), noise_multiplier=1.0, max_grad_norm=1.0, population_size=40,
+                      expected_batch_size=8, sampler=NAME, ledger=PrivacyLedger(sys.argv[2]))
+dp.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+batches = dp.batches(x, y)
+assert isinstance(batches.sampler, BernoulliSampler) and len(batches) == 5
+dp.fit(batches, epochs=2, verbose=0)
+led = dp.ledger
+assert [s.policy for s in led.samples] == [NAME] * 10, [s.policy for s in led.samples]
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    eps = led.get_epsilon(1e-5)
+    assert eps == as_poisson(led, sys.argv[3]).get_epsilon(1e-5)
+print("ok", eps)
+'''
+
+
+def test_trains_records_and_accounts_through_keras(tmp_path):
+    # TensorFlow and the CUDA build of torch abort when loaded into one process: a fresh one
+    pytest.importorskip("tensorflow")
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", KERAS_CASE, os.path.dirname(__file__), str(tmp_path / "k.jsonl"), str(tmp_path / "r.jsonl")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]

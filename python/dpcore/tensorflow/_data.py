@@ -284,13 +284,9 @@ class SampledBatches(tf.keras.utils.PyDataset):
 
     @classmethod
     def _sampler_class(cls) -> Any:
-        from .. import sampling
+        from ..sampling import sampler_class
 
-        return {
-            "truncated_poisson": sampling.TruncatedPoissonSampler,
-            "balls_in_bins": sampling.BallsInBinsSampler,
-            "random_allocation": sampling.RandomAllocationSampler,
-        }[cls.kind]
+        return sampler_class(cls.kind)
 
     @classmethod
     def _probe(cls, n: int, args: dict) -> Any:
@@ -469,5 +465,19 @@ class RandomAllocationBatches(SampledBatches):
         super().__init__(x, y, sample_weight, args, seed, **kwargs)
 
 
-#: The dataset class of each ``sampler=`` that a dpcore.sampling sampler draws.
+#: The dataset class of each built-in ``sampler=`` that a dpcore.sampling sampler draws.
 SAMPLED_BATCHES = {c.kind: c for c in (TruncatedPoissonBatches, BallsInBinsBatches, RandomAllocationBatches)}
+
+
+def sampled_batches(kind: str) -> Any:
+    """The dataset class of ``sampler=kind``: a built-in one, or for a sampler registered with
+    :func:`dpcore.sampling.register_sampler` a :class:`SampledBatches` drawing from it (built
+    with the constructor arguments of its ``config()``)."""
+    cls = SAMPLED_BATCHES.get(kind)
+    if cls is None:
+        from ..sampling import sampler_class
+
+        name = sampler_class(kind).__name__.replace("Sampler", "") + "Batches"
+        cls = type(name, (SampledBatches,), {"kind": kind, "__module__": __name__})
+        SAMPLED_BATCHES[kind] = cls
+    return cls

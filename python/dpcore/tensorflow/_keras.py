@@ -34,7 +34,7 @@ from .. import _names
 from ..queries._build import CLIPPING, clipping_query
 from .._seeds import derive_seed
 from .. import _adapters
-from ._data import SAMPLED_BATCHES, CyclicBatches, PoissonBatches, SampledBatches
+from ._data import CyclicBatches, PoissonBatches, SampledBatches, sampled_batches
 from ._mf import _mf_config
 from .._validate import positive as _number
 
@@ -219,7 +219,7 @@ class DPModel(keras.Model):
                 else _number("sampling_probability", sampling_probability) * int(population_size)
             )
             drawn = _adapters.shape(kind, int(population_size), bs, max_batch_size, num_selected)
-            probe = SAMPLED_BATCHES[kind]._probe(int(population_size), drawn)
+            probe = sampled_batches(kind)._probe(int(population_size), drawn)
             # The denominator and rate are the sampler's own (n/b, k/t: the nearest whole b or t).
             sampling_probability, expected_batch_size = float(probe.sampling_probability), None
         if mf:
@@ -400,7 +400,7 @@ class DPModel(keras.Model):
         if not isinstance(x, SampledBatches):
             raise TypeError(
                 f"this DPModel was made with sampler={self.sampler!r}: fit() takes its batches, model.batches(x, y) "
-                f"(a dpcore.tensorflow.{SAMPLED_BATCHES[self.sampler].__name__}), got {type(x).__name__}"
+                f"(a dpcore.tensorflow.{sampled_batches(self.sampler).__name__}), got {type(x).__name__}"
             )
         if self.sampler is not None and self._drawn is None:
             raise TypeError(f"this DPModel was made with sampler={self.sampler!r}; fit() got {type(x).__name__}")
@@ -436,7 +436,7 @@ class DPModel(keras.Model):
                 "batches() builds the batches of sampler='truncated_poisson', 'balls_in_bins' or 'random_allocation'; "
                 f"this DPModel has sampler={self.sampler!r} (use PoissonBatches)"
             )
-        out = SAMPLED_BATCHES[self.sampler]._with(x, y, sample_weight, self._drawn, seed, **kwargs)
+        out = sampled_batches(self.sampler)._with(x, y, sample_weight, self._drawn, seed, **kwargs)
         if out.population_size != self.population_size:
             raise ValueError(f"x has {out.population_size} records, this DPModel samples from population_size={self.population_size}")
         return out

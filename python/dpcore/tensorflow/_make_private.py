@@ -16,7 +16,7 @@ from .._names import renamed
 from ..ledger import PrivacyLedger
 from .. import _adapters
 from ..plan import calibrate_noise, steps_for_epochs
-from ._data import SAMPLED_BATCHES
+from ._data import sampled_batches
 from .._validate import count, positive as _number
 
 from ._keras import DPModel
@@ -186,7 +186,7 @@ def make_private_with_epsilon(
         )
         if kind in _adapters.DRAWN:
             args = _adapters.shape(kind, n, bs, kwargs.get("max_batch_size"), kwargs.get("num_selected", 1))
-            probe = SAMPLED_BATCHES[kind]._probe(n, args)
+            probe = sampled_batches(kind)._probe(n, args)
             acct = _adapters.calibration_accountant(kind, accountant)
             z = calibrate_noise(target_epsilon, target_delta, sampler=kind, steps=probe.steps_for(epochs),
                                 accountant=acct, **probe.parameters())
