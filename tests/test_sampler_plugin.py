@@ -83,6 +83,8 @@ def test_registration_rules(registered):
         register_sampler(type("Other", (BernoulliSampler,), {"name": NAME}))
     with pytest.raises(ValueError, match="class attribute name"):
         register_sampler(type("Nameless", (BernoulliSampler,), {}))
+    with pytest.raises(ValueError, match="must implement _indices"):
+        register_sampler(type("Drawless", (Sampler,), {"name": "drawless"}))
     # the planned event and the one formula of the plan come from the class
     from dpcore.plan import make_plan, steps_for_epochs
 

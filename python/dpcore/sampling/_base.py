@@ -61,6 +61,8 @@ def register_sampler(cls: Type["Sampler"]) -> Type["Sampler"]:
         raise ValueError(f"{cls.__name__}.relations must be a non-empty subset of {NEIGHBORING}")
     if cls.default_relation not in cls.relations:
         raise ValueError(f"{cls.__name__}.default_relation must be one of its relations {cls.relations}")
+    if cls._indices is Sampler._indices and cls.draw is Sampler.draw:
+        raise ValueError(f"{cls.__name__} must implement _indices(t) (or draw()): a sampler draws its steps")
     if cls.rounds not in (None, "epoch", "allocation"):
         raise ValueError(f"{cls.__name__}.rounds must be None, 'epoch' or 'allocation'")
     _REGISTRY[name] = cls
@@ -397,7 +399,7 @@ class Sampler:
         return self._len
 
     def _indices(self, t: int) -> np.ndarray:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _indices(t), the records of step t")
 
     def _record(self, ledger: Any, idx: np.ndarray) -> None:
         ledger.record_sample(self._n, self.sampling_probability, self.policy, seeded=self.seeded)

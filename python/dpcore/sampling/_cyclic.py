@@ -85,7 +85,7 @@ class _CyclicBase(Sampler):
         return out
 
     def _bounds(self, g: int) -> "tuple[int, int]":
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _bounds(g), the slice of group g")
 
     # -- checkpoints --------------------------------------------------------------------------
 
