@@ -5,8 +5,6 @@ use std::fmt;
 pub enum DpError {
     /// A parameter is out of its valid range (mapped to `ValueError`).
     InvalidParameter { name: &'static str, message: String },
-    /// Record `index` holds a NaN or an infinity (mapped to `ValueError`).
-    NonFiniteRecord { index: usize },
     /// Arrays disagree on shape, or a buffer is not the size its shape says (`ValueError`).
     Shape(String),
     /// An output could not be allocated (`MemoryError`), instead of aborting the process.
@@ -41,10 +39,6 @@ impl fmt::Display for DpError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DpError::InvalidParameter { name, message } => write!(f, "{name}: {message}"),
-            DpError::NonFiniteRecord { index } => write!(
-                f,
-                "record {index} contains a NaN or infinite value; a record must be finite to be clipped"
-            ),
             DpError::Shape(m) => f.write_str(m),
             DpError::OutOfMemory { bytes } => write!(f, "cannot allocate {bytes} bytes for the result"),
             DpError::GridTooLarge { bins } => write!(

@@ -4,6 +4,11 @@
 //!
 //! With joint-clipping scales α_j (§2) part j receives noise of stddev α_j·z·C: the mechanism
 //! on the scaled record, scaled back. Its privacy tuple is still (C, z·C).
+//!
+//! A record with a NaN or ±∞ value contributes zero to the sum and its norm is NaN (see
+//! `crate::clip`); the release goes ahead. Zero has norm 0 ≤ C, and replacing a record by zero is
+//! the change of one record, so the tuple (C, z·C) still holds; raising instead would reveal,
+//! through whether the call fails, whether that record was in the batch.
 
 use crate::clip::{check_clip, clip_round_sum, clip_sum, ClippedSum};
 use crate::discrete::{DiscreteParams, Rounding};
@@ -29,8 +34,9 @@ pub fn check_denominator(d: Option<f64>) -> DpResult<f64> {
     }
 }
 
-/// Noised (and optionally averaged) clipped sum, one output per part, plus the record norms.
-/// All parameters are validated before any work; on error nothing is returned.
+/// Noised (and optionally averaged) clipped sum, one output per part, plus the record norms
+/// (NaN for a non-finite record, which contributes zero). All parameters are validated before
+/// any work; on error nothing is returned.
 pub fn gaussian_sum(
     records: &Records,
     l2_norm_clip: f64,
@@ -70,7 +76,7 @@ pub fn gaussian_sum_as(
         ));
     }
     let ClippedSum { sums, norms } = clip_sum(records, l2_norm_clip)?;
-    // The key is drawn only after the records passed every check.
+    // The key is drawn only after every parameter passed its check (records cannot fail one).
     let key = seed.key()?;
     let views: Vec<&[f64]> = sums.iter().map(|s| s.as_slice()).collect();
     let stddevs: Vec<f64> = records.parts.iter().map(|p| stddev * p.scale).collect();
@@ -206,8 +212,9 @@ fn noise_in_place(
 
 /// The discrete Gaussian sum mechanism: records clipped to C, rounded onto γ·ℤ^d, summed exactly,
 /// plus N_ℤ(0, σ²) noise with σ·γ ≥ z·C (see `crate::discrete`); the output is float64 in the
-/// records' units (multiples of γ·α_j, divided by `denominator` if given). Returns the outputs,
-/// the records' norms and the parameters (granularity, sensitivity after rounding, σ) that the
+/// records' units (multiples of γ·α_j, divided by `denominator` if given). A non-finite record
+/// contributes zero (`clip_round_sum`). Returns the outputs,
+/// the records' norms (NaN for non-finite records) and the parameters (granularity, sensitivity after rounding, σ) that the
 /// ledger must record.
 pub fn discrete_gaussian_sum(
     records: &Records,
@@ -354,9 +361,37 @@ mod tests {
                 ..
             }
         ));
-        assert_eq!(
-            gaussian_sum(&rec, 1.0, 1.0, None, Seed::Os).unwrap_err(),
-            DpError::NonFiniteRecord { index: 0 }
-        );
+        // A non-finite record is not an error: it adds zero, and the release is the one of the
+        // batch without it (here: of no record, pure noise), bit for bit for a seed.
+        let (out, norms) = gaussian_sum(&rec, 1.0, 1.0, None, Seed::Fixed(7)).unwrap();
+        assert!(norms[0].is_nan());
+        let empty: [f32; 0] = [];
+        let none = Records::new(0, vec![Part::new(Column::F32(&empty), 2)]).unwrap();
+        let (pure, _) = gaussian_sum(&none, 1.0, 1.0, None, Seed::Fixed(7)).unwrap();
+        assert_eq!(out, pure);
+    }
+
+    /// Both mechanisms release the sum without the non-finite records, bit for bit for a seed.
+    #[test]
+    fn non_finite_records_add_zero_to_both_mechanisms() {
+        let (batch, w) = (9usize, 5000usize);
+        let mut x: Vec<f64> = (0..batch * w).map(|i| ((i * 7919 % 1000) as f64 - 500.0) / 300.0).collect();
+        x[2 * w + 17] = f64::NAN;
+        x[6 * w] = f64::INFINITY;
+        x[8 * w + w - 1] = f64::NEG_INFINITY;
+        let keep: Vec<usize> = (0..batch).filter(|r| ![2, 6, 8].contains(r)).collect();
+        let clean: Vec<f64> = keep.iter().flat_map(|&r| x[r * w..(r + 1) * w].iter().copied()).collect();
+        let rec = Records::new(batch, vec![Part::new(Column::F64(&x), w)]).unwrap();
+        let rec_clean = Records::new(keep.len(), vec![Part::new(Column::F64(&clean), w)]).unwrap();
+        let (a, na) = gaussian_sum(&rec, 1.5, 0.7, Some(4.0), Seed::Fixed(3)).unwrap();
+        let (b, nb) = gaussian_sum(&rec_clean, 1.5, 0.7, Some(4.0), Seed::Fixed(3)).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(na.iter().filter(|n| n.is_nan()).count(), 3);
+        assert_eq!(keep.iter().map(|&r| na[r]).collect::<Vec<_>>(), nb);
+        let (a, na, pa) = discrete_gaussian_sum(&rec, 1.5, 0.7, None, None, Seed::Fixed(3)).unwrap();
+        let (b, _, pb) = discrete_gaussian_sum(&rec_clean, 1.5, 0.7, None, None, Seed::Fixed(3)).unwrap();
+        assert_eq!(a, b);
+        assert_eq!((pa.granularity, pa.sens_sq), (pb.granularity, pb.sens_sq));
+        assert!(na[2].is_nan() && na[6].is_nan() && na[8].is_nan());
     }
 }

@@ -99,10 +99,6 @@ def test_aggregate_errors_release_nothing(ledger):
     idx = agg.sample(seed=4)
     with pytest.raises(ValueError, match="records but the sample has"):
         agg.aggregate(np.ones((len(idx) + 1, 2)))
-    bad = np.ones((len(idx), 2))
-    bad[len(idx) // 2, 1] = np.nan
-    with pytest.raises(ValueError, match="record"):
-        agg.aggregate(bad)
     with pytest.raises(TypeError, match="float32 or float64"):
         agg.aggregate(np.ones((len(idx), 2), np.int64))
     assert PrivacyLedger.load(ledger.path).samples == ()  # nothing was released
@@ -110,6 +106,31 @@ def test_aggregate_errors_release_nothing(ledger):
     with pytest.raises(RuntimeError, match="sample"):
         agg.aggregate(np.ones((len(idx), 2)))  # but only once
     assert PrivacyLedger.load(ledger.path).num_releases == 1
+
+
+def test_non_finite_record_adds_zero_or_raises_when_asked(tmp_path):
+    """The default releases, and the NaN record adds exactly zero (as a zero record would);
+    on_nonfinite="raise" (debugging only) raises naming the record and releases nothing."""
+    outs = []
+    for name, mode, bad_value in (("a", "zero", np.nan), ("b", "zero", None), ("c", "raise", np.inf)):
+        led = PrivacyLedger(tmp_path / f"{name}.jsonl")
+        agg = PrivateAggregator(GaussianSumQuery(1.0, 1.0), led, 100, 0.5, on_nonfinite=mode)
+        assert agg.on_nonfinite == mode
+        idx = agg.sample(seed=4)
+        recs = np.full((len(idx), 2), 0.3)
+        recs[len(idx) // 2] = 0.0 if bad_value is None else [bad_value, 1.0]  # b: a zero record
+        if mode == "raise":
+            with pytest.raises(ValueError, match=rf"record {len(idx) // 2}\b.*NaN or infinite"):
+                agg.aggregate(recs, seed=9)
+            assert PrivacyLedger.load(led.path).num_releases == 0
+            recs[len(idx) // 2] = 0.0
+        outs.append(agg.aggregate(recs, seed=9))
+        assert PrivacyLedger.load(led.path).num_releases == 1
+        led.close()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        PrivateAggregator(GaussianSumQuery(1.0, 1.0), PrivacyLedger(tmp_path / "d.jsonl"), 100, 0.5, on_nonfinite="drop")
 
 
 def test_aggregator_bad_parameters(ledger):

@@ -132,7 +132,7 @@ def test_params_and_bad_inputs():
     bad = x.copy()
     bad[1, 2] = np.nan
     with pytest.raises(ValueError, match="record 1"):
-        dpcore.clip_noise(bad, 1.0, 1.0, mechanism=DG)
+        dpcore.clip_noise(bad, 1.0, 1.0, mechanism=DG, on_nonfinite="raise")
     with pytest.raises(ValueError, match="rounding"):
         dpcore.discrete_gaussian_params(1.0, 1.0, 4, rounding="up")
 

@@ -10,24 +10,59 @@ GOOD = np.ones((3, 4), np.float32)
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
-def test_non_finite_record_names_first_bad_index(bad, dt):
+def test_non_finite_record_names_first_bad_index_when_asked_to_raise(bad, dt):
+    # on_nonfinite="raise": the debugging aid (not DP) keeps the old error, naming the first record
     x = np.ones((400, 5000), dt)
     x[123, 17] = bad
     x[300, 0] = np.nan
     for call in (
-        lambda: dpcore.clip_noise(x, 1.0, 1.0),
-        lambda: dpcore.clip_sum([np.ones((400, 2)), x], 1.0),
-        lambda: dpcore.record_norms(x),
+        lambda: dpcore.clip_noise(x, 1.0, 1.0, on_nonfinite="raise"),
+        lambda: dpcore.clip_noise(x, 1.0, 1.0, on_nonfinite="raise", mechanism="discrete_gaussian"),
+        lambda: dpcore.clip_sum([np.ones((400, 2)), x], 1.0, on_nonfinite="raise"),
+        lambda: dpcore.record_norms(x, on_nonfinite="raise"),
     ):
-        with pytest.raises(ValueError, match=r"record 123\b"):
+        with pytest.raises(ValueError, match=r"record 123\b.*NaN or infinite"):
             call()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_non_finite_record_adds_zero_by_default(bad, dt):
+    # the default (on_nonfinite="zero"): no error; the record adds exactly zero, its norm is NaN
+    x = np.ones((400, 5000), dt)
+    x[123, 17] = bad
+    x[300, 0] = np.nan
+    keep = np.setdiff1d(np.arange(400), [123, 300])
+    (_, s), norms = dpcore.clip_sum([np.ones((400, 2)), x], 1.0)
+    (_, ref), ref_norms = dpcore.clip_sum([np.ones((398, 2)), x[keep]], 1.0)
+    np.testing.assert_array_equal(s, ref)
+    assert np.isnan(norms[[123, 300]]).all() and np.array_equal(norms[keep], ref_norms)
+    np.testing.assert_array_equal(dpcore.clip_noise(x, 1.0, 1.0, seed=3), dpcore.clip_noise(x[keep], 1.0, 1.0, seed=3))
+    n = dpcore.record_norms(x)
+    assert np.flatnonzero(np.isnan(n)).tolist() == [123, 300]
 
 
 def test_non_finite_in_second_array_of_a_list():
     a, b = np.ones((5, 3)), np.ones((5, 2), np.float32)
     b[2, 1] = np.inf
     with pytest.raises(ValueError, match="record 2"):
-        dpcore.clip_noise([a, b], 1.0, 1.0)
+        dpcore.clip_noise([a, b], 1.0, 1.0, on_nonfinite="raise")
+    out = dpcore.clip_noise([a, b], 1.0, 0.0)
+    ref = dpcore.clip_noise([np.delete(a, 2, 0), np.delete(b, 2, 0)], 1.0, 0.0)
+    for o, r in zip(out, ref):
+        np.testing.assert_array_equal(o, r)
+
+
+@pytest.mark.parametrize("mode", ["ZERO", "ignore", None, 0, True])
+def test_on_nonfinite_must_be_zero_or_raise(mode):
+    for call in (
+        lambda: dpcore.clip_noise(GOOD, 1.0, 1.0, on_nonfinite=mode),
+        lambda: dpcore.clip_sum(GOOD, 1.0, on_nonfinite=mode),
+        lambda: dpcore.record_norms(GOOD, on_nonfinite=mode),
+        lambda: dpcore.GaussianSumQuery(1.0, 1.0, on_nonfinite=mode),
+    ):
+        with pytest.raises(ValueError, match="on_nonfinite must be 'zero' or 'raise'"):
+            call()
 
 
 def test_mismatched_batch_sizes():

@@ -167,3 +167,44 @@ def test_huge_and_tiny_float64_records():
     out, norms = dpcore.clip_sum(x, 1e-201)
     np.testing.assert_allclose(norms, [math.sqrt(2) * 1e200, math.sqrt(2) * 1e-200], rtol=1e-15)
     assert np.all(np.isfinite(out)) and np.linalg.norm(out) <= 2e-201
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_huge_and_subnormal_records_are_clipped_not_left_out(dt):
+    # Finite records whose squares overflow (float64) or whose values are near the type's limits,
+    # and subnormal ones: measured with scaling and clipped to <= C as before, never zeroed.
+    info = np.finfo(dt)
+    rows = [
+        [1e30, -3e30, 0.0, 1.0],
+        [float(info.max) / 4, float(info.max) / 4, -float(info.max) / 4, 0.0],
+        [float(info.smallest_subnormal), -3 * float(info.smallest_subnormal), 0.0, 0.0],
+        [float(info.tiny) / 2, 0.0, float(info.tiny), 0.0],
+    ]
+    x = np.array(rows, dt)
+    for clip in (1e-3, 2.5):
+        out, norms = dpcore.clip_sum(x, clip)
+        assert np.isfinite(norms).all() and (norms > 0).all()
+        for r in range(len(rows)):
+            one, _ = dpcore.clip_sum(x[r : r + 1], clip)
+            assert np.any(one != 0), f"record {r} was left out"
+            assert math.sqrt(math.fsum(float(v) ** 2 for v in one.astype(np.float64))) <= clip
+        assert np.isfinite(out).all()
+    assert not np.isnan(dpcore.record_norms(x)).any()
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "discrete_gaussian"])
+@pytest.mark.parametrize("dt", DTYPES)
+def test_non_finite_records_add_exactly_zero(mechanism, dt):
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((50, 7, 3)).astype(dt)
+    b = rng.standard_normal((50, 11)).astype(dt) * 10
+    a[3, 2, 1], b[17, 0], a[49, 0, 0], b[49, 10] = np.nan, np.inf, -np.inf, np.nan
+    keep = np.setdiff1d(np.arange(50), [3, 17, 49])
+    for z, seed in ((0.0, None), (1.3, 21)):
+        with_bad = dpcore.clip_noise([a, b], 0.8, z, seed=seed, mechanism=mechanism, denominator=4.0)
+        without = dpcore.clip_noise([a[keep], b[keep]], 0.8, z, seed=seed, mechanism=mechanism, denominator=4.0)
+        for o, r in zip(with_bad, without):
+            np.testing.assert_array_equal(o, r)
+            assert np.isfinite(o).all()
+    with pytest.raises(ValueError, match=r"record 3\b"):
+        dpcore.clip_noise([a, b], 0.8, 1.0, mechanism=mechanism, on_nonfinite="raise")

@@ -398,8 +398,16 @@ def test_nested_one_call_refuses_bad_batches_and_keeps_states():
         q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": np.ones((2, 4))})
     bad = np.ones((3, 4))
     bad[1, 2] = np.nan
+    # A leaf built with on_nonfinite="raise" (debugging only) makes the one call raise, and no
+    # leaf's state changes; the record's NaN is in group b, the raising leaf is a.
+    qr = NestedQuery({"a": GaussianSumQuery(1.0, 1.0, on_nonfinite="raise"), "b": GaussianSumQuery(2.0, 1.0)})
     with pytest.raises(ValueError, match="record 1"):
-        q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": bad})
+        qr.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": bad})
+    assert all(not np.any(x.sums[0]) for x in s.leaves)
+    # By default the record adds zero to every group (not only to b): the sums of the other two
+    z = q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": bad})
+    np.testing.assert_allclose(z.leaves[0].sums[0], np.full(3, 2 / math.sqrt(3)), rtol=1e-12)
+    np.testing.assert_allclose(z.leaves[1].sums[0], np.full(4, 2.0), rtol=1e-12)
     assert all(not np.any(x.sums[0]) for x in s.leaves)
     s2 = q.accumulate_records(p, s, {"a": np.ones((3, 3)), "b": np.ones((3, 4))})
     np.testing.assert_allclose(s2.leaves[0].sums[0], np.full(3, math.sqrt(3)), rtol=1e-12)
@@ -442,6 +450,28 @@ def test_adaptive_clip_release_uses_the_clip_it_accumulated_with():
     st = q.accumulate_records(0.25, q.initial_sample_state(x[0]), x)  # a caller bug: another clip
     _, _, ev = q.get_noised_result(st, gs)
     assert ev.privacy_tuples()[0].l2_norm_clip == 0.25  # the bound actually used is reported
+
+
+def test_adaptive_clip_counts_a_non_finite_record_as_clipped():
+    # norm > C, never a NaN in the count: the record adds zero to the sum and b_i = 0
+    q = QuantileAdaptiveClipQuery(1.0, 0.0, 0.5, 0.2, 5.0, 10.0)
+    gs = q.initial_global_state()
+    st0 = q.initial_sample_state(np.zeros(2))
+    recs = np.array([[0.1, 0.0], [np.nan, 0.0], [np.inf, 1.0], [5.0, 0.0]])
+    st = q.accumulate_records(q.derive_sample_params(gs), st0, recs)
+    assert st.centred_unclipped == 1.0 - 0.5 * 4
+    np.testing.assert_allclose(st.sums.sums[0], [1.1, 0.0], rtol=1e-12)
+    # the same count from norms formed by the caller (the framework adapters' path)
+    ns = q.accumulate_norms(1.0, q.initial_norm_state(), np.array([0.1, np.nan, np.inf, 5.0]))
+    assert ns == st.centred_unclipped
+    # inside a nest (the one fused call) alike
+    n = NestedQuery([q])
+    nst = n.accumulate_records(n.derive_sample_params(n.initial_global_state()), n.initial_sample_state([np.zeros(2)]), [recs])
+    assert nst.leaves[0].centred_unclipped == st.centred_unclipped
+    with pytest.raises(ValueError, match="record 1"):
+        qr = QuantileAdaptiveClipQuery(1.0, 0.0, 0.5, 0.2, 5.0, 10.0, on_nonfinite="raise")
+        qr.accumulate_records(1.0, qr.initial_sample_state(np.zeros(2)), recs)
+    assert qr.on_nonfinite == "raise" and q.on_nonfinite == "zero"
 
 
 def test_adaptive_clip_bad_parameters():
@@ -523,7 +553,12 @@ def test_record_errors():
     gs = q.initial_global_state()
     s = q.initial_sample_state(np.zeros(3))
     with pytest.raises(ValueError, match="record 1"):
-        q.accumulate_records(1.0, s, np.array([[0.0, 0, 0], [np.nan, 0, 0]]))
+        GaussianSumQuery(1.0, 1.0, on_nonfinite="raise").accumulate_records(
+            1.0, s, np.array([[0.0, 0, 0], [np.nan, 0, 0]])
+        )
+    # the default: the non-finite record adds zero
+    z = q.accumulate_records(1.0, s, np.array([[0.5, 0, 0], [np.nan, 0, 0]]))
+    np.testing.assert_array_equal(z.sums[0], [0.5, 0.0, 0.0])
     with pytest.raises(TypeError, match="float32 or float64"):
         q.accumulate_records(1.0, s, np.ones((2, 3), np.int32))
     with pytest.raises(ValueError, match="shape"):

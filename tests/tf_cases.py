@@ -189,17 +189,47 @@ def test_empty_poisson_batch_releases_pure_noise():
     np.testing.assert_allclose(b0 - b1, noise[1], rtol=1e-5, atol=1e-6)
 
 
-def test_nan_record_raises_value_error_and_leaves_ledger_untouched():
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_nan_record_trains_and_adds_zero(clipping):
+    # The default on_nonfinite="zero": a record whose per-record gradient is NaN (from a NaN
+    # input) does not stop the step; it releases, and the record's contribution is exactly zero.
     x, y = data(30)
     led = new_ledger()
-    m, dp = dp_logreg(led, noise_multiplier=1.0, max_grad_norm=1.0, population_size=30, sampling_probability=1.0)
+    m, dp = dp_logreg(led, noise_multiplier=0.0, max_grad_norm=1.0, population_size=30, sampling_probability=1.0,
+                      clipping=clipping)
+    assert dp.on_nonfinite == "zero"
+    w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
+    # the record whose (finite) gradient is largest: it would move the weights the most
+    *_, n0 = clipped_average(x, y, w0, b0, 1.0, 30.0)
+    bad = int(np.argmax(n0))
+    xn = x.copy()
+    xn[bad, 2] = np.nan
+    dp.fit(PoissonBatches(xn, y, sampling_probability=1.0, steps=1), verbose=0)
+    assert led.num_releases == 1 == dp.releases and dp.optimizer.iterations.numpy() == 1
+    w1, b1 = [v.numpy() for v in m.trainable_variables]
+    assert np.isfinite(w1).all() and np.isfinite(b1).all()
+    per_layer = clipping == "per_layer"
+    keep = np.delete(np.arange(30), bad)
+    rw, rb, _ = clipped_average(x[keep], y[keep], w0, b0, 1.0, 30.0, per_layer=per_layer)  # without the record
+    fw, fb, _ = clipped_average(x, y, w0, b0, 1.0, 30.0, per_layer=per_layer)  # with its finite value
+    np.testing.assert_allclose(w0 - w1, rw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(b0 - b1, rb, rtol=1e-4, atol=1e-6)
+    assert max(np.abs(fw - rw).max(), np.abs(fb - rb).max()) > 1e-3  # the finite record would have counted
+
+
+def test_nan_record_raises_when_asked_and_leaves_ledger_untouched():
+    # on_nonfinite="raise": the debugging aid (not DP) raises before the ledger or the weights
+    x, y = data(30)
+    led = new_ledger()
+    m, dp = dp_logreg(led, noise_multiplier=1.0, max_grad_norm=1.0, population_size=30, sampling_probability=1.0,
+                      on_nonfinite="raise")
     dp.fit(PoissonBatches(x, y, sampling_probability=1.0, steps=1), verbose=0)  # one good release
     with open(led.path, "rb") as f:
         before = f.read()
     w = [v.numpy().copy() for v in m.trainable_variables]
     xn = x.copy()
     xn[7, 2] = np.nan
-    with pytest.raises(ValueError, match="NaN or infinite"):
+    with pytest.raises(ValueError, match=r"record 7\b.*NaN or infinite"):
         dp.fit(PoissonBatches(xn, y, sampling_probability=1.0, steps=1), verbose=0)
     with open(led.path, "rb") as f:
         assert f.read() == before
@@ -208,6 +238,33 @@ def test_nan_record_raises_value_error_and_leaves_ledger_untouched():
     # the next good step is recorded normally, as a new sample
     dp.fit(PoissonBatches(x, y, sampling_probability=1.0, steps=1), verbose=0)
     assert led.num_releases == 2 and [s.sample for s in led.samples] == [0, 1]
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        make_private(logreg(), tf.keras.optimizers.SGD(1.0), noise_multiplier=1.0, max_grad_norm=1.0,
+                     expected_batch_size=3.0, on_nonfinite="skip")
+
+
+def test_custom_loop_nan_record_adds_zero():
+    tf.random.set_seed(1)
+    m = logreg()
+    x, y = data(12, seed=3)
+    xn = x.copy()
+    xn[4, 0] = np.inf
+    w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
+    led = new_ledger()
+    tr = CustomLoopTrainer(m, tf.keras.optimizers.SGD(1.0), SCE, ledger=led, population_size=12,
+                           sampling_probability=1.0, noise_multiplier=0.0, max_grad_norm=0.5)
+    led.record_sample(12, 1.0)
+    tr.step(xn, y)
+    assert led.num_releases == 1
+    keep = np.delete(np.arange(12), 4)
+    rw, rb, _ = clipped_average(x[keep], y[keep], w0, b0, 0.5, 12.0)
+    w1, b1 = [v.numpy() for v in m.trainable_variables]
+    np.testing.assert_allclose(w0 - w1, rw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(b0 - b1, rb, rtol=1e-4, atol=1e-6)
+    strict = CustomLoopTrainer(m, tf.keras.optimizers.SGD(1.0), SCE, ledger=new_ledger(), population_size=12,
+                               sampling_probability=1.0, noise_multiplier=0.0, max_grad_norm=0.5, on_nonfinite="raise")
+    with pytest.raises(ValueError, match=r"record 4\b"):
+        strict.step(xn, y)
 
 
 def test_fit_on_arrays_records_shuffle_samples():

@@ -54,7 +54,8 @@ def gaussian_sum_flat(
     scales: Optional[List[float]] = None,
     f64_out: bool = False,
 ) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]:
-    """Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms."""
+    """Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms (NaN for
+    a record with a NaN or infinite value, which adds zero to the sum)."""
 def clip_sum_groups(
     arrays: List[np.ndarray],
     groups: List[int],
@@ -63,7 +64,8 @@ def clip_sum_groups(
 ) -> Tuple[List[np.ndarray], npt.NDArray[np.float64]]:
     """Clipped sums of several groups in one pass over the records (no noise): array k belongs to
     group `groups[k]` (numbered 0, 1, … in array order) and group g is clipped to `clips[g]`.
-    Returns one flat float64 sum per array and the norms, group-major (G·B values)."""
+    Returns one flat float64 sum per array and the norms, group-major (G·B values). A record with
+    a NaN or infinite value in any group adds zero to every sum and has norm NaN in every group."""
 def gaussian_release(
     sums: List[npt.NDArray[np.float64]],
     stddevs: List[float],
@@ -87,12 +89,14 @@ def discrete_gaussian_sum_flat(
     seed: Optional[int] = None,
     scales: Optional[List[float]] = None,
 ) -> Tuple[List[npt.NDArray[np.float64]], npt.NDArray[np.float64], Tuple[float, int, int, int, float, float]]:
-    """Discrete Gaussian noised clipped sum (float64 outputs), the norms, and the parameters."""
+    """Discrete Gaussian noised clipped sum (float64 outputs), the norms (NaN for a non-finite
+    record, which adds zero), and the parameters."""
 def clip_round_sum(
     arrays: List[np.ndarray], l2_norm_clip: float, granularity: float, sens_sq: int, scales: Optional[List[float]] = None
 ) -> Tuple[List[npt.NDArray[np.float64]], npt.NDArray[np.float64], int]:
     """Clipped records rounded onto the grid and summed exactly (grid units, float64), the norms,
-    and how many records were rounded toward zero to meet the bound `sens_sq`."""
+    and how many records were rounded toward zero to meet the bound `sens_sq`. A non-finite
+    record adds zero and has norm NaN."""
 def discrete_release(
     sums: List[npt.NDArray[np.float64]],
     part_scales: List[float],
@@ -109,10 +113,11 @@ def discrete_release(
     `round_sums` is false, the records' units (rounded here) when true. The parameters are
     rebuilt from (l2_norm_clip, noise_multiplier, dim, granularity, per_record)."""
 def record_norms(arrays: List[np.ndarray], scales: Optional[List[float]] = None) -> npt.NDArray[np.float64]:
-    """The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,)."""
+    """The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,);
+    NaN for a record with a NaN or infinite value."""
 def part_sumsq(arrays: List[np.ndarray], parallel: bool = True) -> List[npt.NDArray[np.float64]]:
     """Per array, the sum of squares of every record (float64 of shape (B,)), unscaled. Non-finite
-    values give non-finite sums; the caller reports them. `parallel=False` keeps the work on the
+    values give non-finite sums; the caller treats those records. `parallel=False` keeps the work on the
     calling thread."""
 def gaussian_flat(n: int, stddev: float, double: bool, seed: Optional[int] = None, parallel: bool = True) -> np.ndarray:
     """`n` values of N(0, stddev²), flat; `parallel=False` keeps the work on the calling thread."""

@@ -14,6 +14,7 @@ from typing import Any, List, Optional
 import numpy as np
 
 from .ledger import FIXED_SIZE, POISSON, PrivacyLedger
+from .mechanism import check_on_nonfinite, nonfinite_error
 from ._attrs import readonly
 from ._names import renamed
 from ._validate import count, integer, probability
@@ -85,6 +86,13 @@ class PrivateAggregator:
     takes the records of exactly those indices (leading axis = sample size), runs the query's
     lifecycle, writes the release to the ledger (fsync) and only then returns the noised result.
     ``seed`` arguments are for tests only and void the privacy guarantee.
+
+    ``on_nonfinite``: ``"zero"`` (the default) hands every record to the query, whose clip gives a
+    record with a NaN or ±∞ value zero contribution (the clipping queries do unless built with
+    ``on_nonfinite="raise"``): the release goes ahead, and whether it does reveals nothing about
+    that record. ``"raise"`` checks the records first and raises ``ValueError`` naming the first
+    non-finite one, releasing nothing (the sample stays open): a debugging aid whose behaviour
+    depends on the data, **not differentially private**.
     """
 
     def __init__(
@@ -97,7 +105,9 @@ class PrivateAggregator:
         sample_size: Optional[int] = None,
         sampler: Any = None,
         policy: Optional[str] = None,
+        on_nonfinite: str = "zero",
     ) -> None:
+        self._on_nonfinite = check_on_nonfinite(on_nonfinite)
         if not isinstance(query, DPQuery):
             raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
         if not isinstance(ledger, PrivacyLedger):
@@ -159,6 +169,9 @@ class PrivateAggregator:
         return idx
 
     sampler = readonly[Any]("_sampler", "The sampler object drawing the samples, or None.")
+    on_nonfinite = readonly[str](
+        "_on_nonfinite", "'zero' (non-finite records contribute zero, via the query) or 'raise' (debugging only)."
+    )
 
     def aggregate(self, records: Any, *, seed: Optional[int] = None) -> Any:
         """The query's noised aggregate of the sample's records; durable in the ledger on return.
@@ -177,6 +190,8 @@ class PrivateAggregator:
                     f"records array {k} has {a.shape[0]} records but the sample has {self._open}: "
                     "pass the records at the indices sample() returned"
                 )
+        if self._on_nonfinite == "raise":
+            _raise_on_nonfinite(arrays, self._open)
         q, gs = self._query, self._global_state
         params = q.derive_sample_params(gs)
         state = q.initial_sample_state(template)
@@ -186,6 +201,17 @@ class PrivateAggregator:
         self._global_state = new_gs
         self._open = None
         return result
+
+
+def _raise_on_nonfinite(arrays: List[np.ndarray], batch: int) -> None:
+    """``on_nonfinite="raise"``: the error naming the first record with a NaN or infinite value in
+    any of ``arrays`` (each with ``batch`` records); non-float arrays are left to the query."""
+    bad = np.zeros(batch, bool)
+    for a in arrays:
+        if a.dtype.kind in "fc" and a.size:
+            bad |= ~np.isfinite(a.reshape(batch, -1)).all(axis=1)
+    if bad.any():
+        raise nonfinite_error(int(np.argmax(bad)))
 
 
 #: The samplers a PrivateAggregator draws by name (``sampler="..."``), from its own arguments.

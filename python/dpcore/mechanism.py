@@ -10,6 +10,18 @@ Randomness: noise is drawn from ChaCha20 keyed afresh from the operating system 
 Passing ``seed`` replaces that key with a deterministic one. **A seed is for tests and
 reproductions only**: anyone who knows it can recompute and subtract the noise, so output
 produced with a seed carries no privacy guarantee.
+
+Non-finite records (``on_nonfinite``). A record with a NaN or ±∞ value anywhere in its arrays
+contributes exactly zero to the sum, and its norm is reported as NaN; the release goes ahead
+(``on_nonfinite="zero"``, the default). This is differentially private: the clip bounds every
+record's contribution by C (McMahan et al. 2018, §2) and the zero vector has norm 0 ≤ C, so
+replacing a record by zero is the change of one record that the privacy analysis already
+covers. Raising instead would not be: whether the call fails would depend on one record, and an
+adversary who plants a NaN record would learn whether it was sampled (Cebere et al., PETS 2026,
+grey-box auditing of DP libraries). ``on_nonfinite="raise"`` raises ``ValueError`` naming the
+first such record, **a debugging aid whose behaviour depends on the data: not differentially
+private**. Huge finite values (whose squares overflow) and subnormal ones are finite records,
+clipped as usual.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import _trace
 from ._validate import parts as _parts, real as _real
 from . import _core
 
@@ -112,6 +125,38 @@ def _pack(flat: List[np.ndarray], arrays: List[np.ndarray], kind: type) -> Any:
 
 
 MECHANISMS = ("gaussian", "discrete_gaussian")
+
+#: What a record with a NaN or infinite value gets (``on_nonfinite=``): zero contribution (the
+#: default, differentially private) or a ``ValueError`` (debugging only; see the module docs).
+ON_NONFINITE = ("zero", "raise")
+
+
+def check_on_nonfinite(on_nonfinite: Any) -> str:
+    """``on_nonfinite`` checked: one of :data:`ON_NONFINITE`."""
+    if not isinstance(on_nonfinite, str) or on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be 'zero' or 'raise', got {on_nonfinite!r}")
+    return on_nonfinite
+
+
+def nonfinite_error(index: int) -> ValueError:
+    """The ``on_nonfinite="raise"`` error for record ``index``."""
+    return ValueError(
+        f"record {index} contains a NaN or infinite value (on_nonfinite='raise', a debugging aid that is not "
+        "differentially private; the default on_nonfinite='zero' gives such a record zero contribution)"
+    )
+
+
+def check_norms(norms: np.ndarray, on_nonfinite: str, batch: Optional[int] = None) -> None:
+    """With ``on_nonfinite="raise"``, the ``ValueError`` naming the first record whose norm is NaN
+    (the core's mark of a record with a NaN or infinite value; a finite record never has one).
+    ``norms`` may be group-major (G·B values): a non-finite record is NaN in every group, so the
+    first ``batch`` values (group 0) tell. With ``"zero"`` nothing is looked at."""
+    if on_nonfinite == "zero":
+        return
+    head = norms if batch is None else norms[:batch]
+    bad = np.flatnonzero(np.isnan(head))
+    if bad.size:
+        raise nonfinite_error(int(bad[0]))
 
 
 def check_mechanism(mechanism: Any) -> str:
@@ -229,6 +274,7 @@ def clip_noise(
     scales: Optional[Sequence[float]] = None,
     mechanism: str = "gaussian",
     granularity: Optional[float] = None,
+    on_nonfinite: str = "zero",
 ) -> Any:
     """Privatized sum of per-record clipped vectors: the Gaussian sum mechanism.
 
@@ -248,9 +294,12 @@ def clip_noise(
     tuple), the shapes without the record axis, and the dtypes of ``grads``. B = 0 (an empty
     Poisson sample) is valid and gives pure noise.
 
-    Raises ``ValueError`` for a NaN/∞ in a record (naming the first such record), mismatched
-    record counts, or out-of-range parameters; ``TypeError`` for non-float dtypes. On error
-    nothing is computed. ``seed`` is for tests and reproductions only (see the module docs).
+    A record with a NaN or ±∞ value contributes zero (``on_nonfinite="zero"``, the default; the
+    release is that of the batch without it). ``on_nonfinite="raise"`` raises ``ValueError``
+    naming the first such record instead: a debugging aid, not differentially private (see the
+    module docs). Raises ``ValueError`` for mismatched record counts or out-of-range parameters;
+    ``TypeError`` for non-float dtypes. On error nothing is returned. ``seed`` is for tests and
+    reproductions only (see the module docs).
 
     ``mechanism="discrete_gaussian"`` gives floating-point-safe noise (Canonne, Kamath & Steinke
     2020): each clipped record is rounded to the nearest point of the grid γ·ℤ^d (γ =
@@ -265,14 +314,25 @@ def clip_noise(
     z = _real("noise_multiplier", noise_multiplier)
     den = None if denominator is None else _real("denominator", denominator)
     s = _seed(seed)
+    mode = check_on_nonfinite(on_nonfinite)
     arrays, kind = _unpack(grads)
     if check_mechanism(mechanism) == "discrete_gaussian":
         g = None if granularity is None else _real("granularity", granularity)
-        flat, _, _ = _core.discrete_gaussian_sum_flat(arrays, clip, z, g, den, s, _scales(scales, len(arrays)))
+        flat, norms, _ = _core.discrete_gaussian_sum_flat(arrays, clip, z, g, den, s, _scales(scales, len(arrays)))
     else:
         if granularity is not None:
             raise ValueError("granularity applies to mechanism='discrete_gaussian' only")
-        flat, _ = _core.gaussian_sum_flat(arrays, clip, z, den, s, _scales(scales, len(arrays)))
+        flat, norms = _core.gaussian_sum_flat(arrays, clip, z, den, s, _scales(scales, len(arrays)))
+        check_norms(norms, mode)
+        if _trace.active():  # the grey-box harness: the same clipped sum, before its noise
+            pre, _ = clip_sum(arrays, clip, scales=scales, dtype=np.float64)
+            _trace.release(
+                "mechanism.clip_noise", [{"sums": list(pre), "sensitivity": clip, "scales": scales}],
+                denominator=den, noise={"noise_multiplier": z}, event=("gaussian", clip, z * clip),
+            )
+            flat = _trace.output("mechanism.clip_noise", list(flat))
+        return _pack(flat, arrays, kind)
+    check_norms(norms, mode)
     return _pack(flat, arrays, kind)
 
 
@@ -282,6 +342,7 @@ def clip_sum(
     *,
     scales: Optional[Sequence[float]] = None,
     dtype: Any = None,
+    on_nonfinite: str = "zero",
 ) -> Tuple[Any, np.ndarray]:
     """Sum of per-record clipped vectors without noise, and the records' unclipped norms.
 
@@ -291,25 +352,39 @@ def clip_sum(
     or use :func:`clip_noise`. ``scales`` selects joint clipping as in :func:`clip_noise`, and
     the norms are then those of the scaled records. ``dtype=numpy.float64`` returns the sums
     in float64 whatever the input dtype (for callers that keep accumulating across batches).
+
+    A record with a NaN or ±∞ value adds zero to the sum and its norm is NaN
+    (``on_nonfinite="zero"``, the default); ``on_nonfinite="raise"`` raises ``ValueError`` naming
+    the first one (debugging only, see the module docs). The norms, NaNs included, are not
+    private: do not publish them or counts derived from them.
     """
     clip = _real("l2_norm_clip", l2_norm_clip)
     if dtype is not None and np.dtype(dtype) != np.float64:
         raise TypeError(f"dtype must be None (the input's) or float64, got {np.dtype(dtype)}")
+    mode = check_on_nonfinite(on_nonfinite)
     arrays, kind = _unpack(grads)
     flat, norms = _core.gaussian_sum_flat(
         arrays, clip, 0.0, None, None, _scales(scales, len(arrays)), dtype is not None
     )
+    check_norms(norms, mode)
     return _pack(flat, arrays, kind), norms
 
 
-def record_norms(grads: Grads, *, scales: Optional[Sequence[float]] = None) -> np.ndarray:
+def record_norms(
+    grads: Grads, *, scales: Optional[Sequence[float]] = None, on_nonfinite: str = "zero"
+) -> np.ndarray:
     """The joint L2 norm ‖x_i‖₂ of every record over all arrays, float64 of shape (B,).
 
-    With ``scales``, the norm of the scaled record (x_i1/α_1, …, x_iK/α_K). Raises
-    ``ValueError`` naming the first record with a NaN or infinite value.
+    With ``scales``, the norm of the scaled record (x_i1/α_1, …, x_iK/α_K). A record with a NaN
+    or infinite value has norm NaN (``on_nonfinite="zero"``: the records the clip leaves out);
+    ``on_nonfinite="raise"`` raises ``ValueError`` naming the first one (debugging only). The
+    norms are not private.
     """
+    mode = check_on_nonfinite(on_nonfinite)
     arrays, _ = _unpack(grads)
-    return _core.record_norms(arrays, _scales(scales, len(arrays)))
+    norms = _core.record_norms(arrays, _scales(scales, len(arrays)))
+    check_norms(norms, mode)
+    return norms
 
 
 def _physical_memory() -> int:

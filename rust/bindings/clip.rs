@@ -7,7 +7,8 @@ use pyo3::prelude::*;
 
 /// Clipped sums of several groups in one pass over the records (no noise): array k belongs to
 /// group `groups[k]` (numbered 0, 1, … in array order) and group g is clipped to `clips[g]`.
-/// Returns one flat float64 sum per array and the norms, group-major (G·B values).
+/// Returns one flat float64 sum per array and the norms, group-major (G·B values). A record with
+/// a NaN or infinite value in any group adds zero to every sum and has norm NaN in every group.
 #[pyfunction]
 #[pyo3(signature = (arrays, groups, clips, scales=None))]
 fn clip_sum_groups(
@@ -24,7 +25,8 @@ fn clip_sum_groups(
 }
 
 /// Clipped records rounded onto the grid and summed exactly (grid units, float64), the norms,
-/// and how many records were rounded toward zero to meet the bound `sens_sq`.
+/// and how many records were rounded toward zero to meet the bound `sens_sq`. A non-finite
+/// record adds zero and has norm NaN.
 #[pyfunction]
 #[pyo3(signature = (arrays, l2_norm_clip, granularity, sens_sq, scales=None))]
 fn clip_round_sum(
@@ -41,7 +43,8 @@ fn clip_round_sum(
     Ok((f64_arrays(py, out.sums), array(py, out.norms), out.truncated))
 }
 
-/// The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,).
+/// The joint L2 norm of every record (parts divided by their scales), float64 of shape (B,);
+/// NaN for a record with a NaN or infinite value.
 #[pyfunction]
 #[pyo3(signature = (arrays, scales=None))]
 fn record_norms(
@@ -49,12 +52,12 @@ fn record_norms(
     arrays: Arrays<'_>,
     scales: Option<Vec<f64>>,
 ) -> PyResult<Py<PyAny>> {
-    let norms = on_records(py, &arrays, scales.as_deref(), None, clip::record_norms)?;
+    let norms = on_records(py, &arrays, scales.as_deref(), None, |rec| Ok(clip::record_norms(rec)))?;
     Ok(array(py, norms))
 }
 
 /// Per array, the sum of squares of every record (float64 of shape (B,)), unscaled. Non-finite
-/// values give non-finite sums; the caller reports them. `parallel=False` keeps the work on the
+/// values give non-finite sums; the caller treats those records. `parallel=False` keeps the work on the
 /// calling thread.
 #[pyfunction]
 #[pyo3(signature = (arrays, parallel=true))]

@@ -39,7 +39,8 @@ fn discrete_params(
     Ok(params_tuple(&p))
 }
 
-/// Discrete Gaussian noised clipped sum (float64 outputs), the norms, and the parameters.
+/// Discrete Gaussian noised clipped sum (float64 outputs), the norms (NaN for a non-finite
+/// record, which adds zero), and the parameters.
 #[pyfunction]
 #[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, granularity=None, denominator=None, seed=None, scales=None))]
 fn discrete_gaussian_sum_flat(

@@ -10,7 +10,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms.
+/// Noised clipped sum; returns flat arrays (reshaped by the Python layer) and the norms (NaN for
+/// a record with a NaN or infinite value, which adds zero to the sum).
 #[pyfunction]
 #[pyo3(signature = (arrays, l2_norm_clip, noise_multiplier, denominator=None, seed=None, scales=None, f64_out=false))]
 fn gaussian_sum_flat(

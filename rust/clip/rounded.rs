@@ -9,6 +9,10 @@
 //! error allowed for, then an exact u128 recount for the records it cannot clear. A record that
 //! fails the exact check (only possible when rounding meets the triangle-inequality worst case)
 //! is rounded toward zero instead, whose norm never exceeds the clipped one.
+//!
+//! A non-finite record (a NaN or ±∞ value) is left out of the sums as in `clip_sum` (see the
+//! parent module): it adds exactly zero (the zero vector is on the grid, with norm 0 ≤ √S), its
+//! norm is NaN, its screen value 0 (never re-examined) and it is not counted as truncated.
 
 use super::*;
 
@@ -73,6 +77,7 @@ fn retrunc(records: &Records, sums: &mut [Vec<f64>], r: usize, f: f64, inv: &[f6
 /// Clips every record to `l2_norm_clip`, rounds it onto the grid of step `granularity` (part j:
 /// granularity·α_j) and sums exactly; every rounded record's squared norm is at most `sens_sq`
 /// (grid units). Tiled like `clip_sum`: a tile's norms, then its rounded rows while cached.
+/// Non-finite records contribute zero and have norm NaN, as in `clip_sum`.
 pub fn clip_round_sum(
     records: &Records,
     l2_norm_clip: f64,
@@ -113,6 +118,7 @@ pub fn clip_round_sum(
     let err = 2.0 * (records.dim() as f64 + nb as f64 + 8.0) * f64::EPSILON;
     let bound = (sens_sq as f64).next_down().next_down();
     let margin = clip_margin(records, 0);
+    // A record left out (non-finite) has screen value 0: never doubtful.
     let doubtful: Vec<(usize, f64)> = sq
         .iter()
         .enumerate()
@@ -228,6 +234,43 @@ mod tests {
         let fine = clip_round_sum(&rec, 10.0, 1.0, 16).unwrap();
         assert_eq!(fine.truncated, 0);
         assert_eq!(fine.sums[0], vec![2.0; 4]);
+    }
+
+    /// A non-finite record adds zero to the rounded sum: the sums, the kept norms and the count
+    /// of truncated records are those of the batch without it, on both paths at any thread count.
+    #[test]
+    fn non_finite_records_are_left_out_of_the_rounded_sum() {
+        let (batch, w) = (23, 40_000);
+        let mut x = hashed(batch * w, 1013, 506.0, 5, 0.03);
+        let bad = [0usize, 5, 6, 22];
+        for (i, &r) in bad.iter().enumerate() {
+            x[r * w + i * 9973 % w] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN][i];
+        }
+        let keep: Vec<usize> = (0..batch).filter(|r| !bad.contains(r)).collect();
+        let clean: Vec<f32> = keep.iter().flat_map(|&r| x[r * w..(r + 1) * w].iter().copied()).collect();
+        let rec = Records::new(batch, vec![Part::new(Column::F32(&x), w)]).unwrap();
+        let rec_clean = Records::new(keep.len(), vec![Part::new(Column::F32(&clean), w)]).unwrap();
+        let g = 1.0 / 4096.0;
+        let without = pool(1).install(|| clip_round_sum(&rec_clean, 30.0, g, u128::MAX >> 1)).unwrap();
+        for threads in [1usize, 2, 3] {
+            let with = pool(threads).install(|| clip_round_sum(&rec, 30.0, g, u128::MAX >> 1)).unwrap();
+            assert_eq!(with.sums, without.sums, "{threads} threads");
+            assert_eq!(with.truncated, without.truncated);
+            assert!(bad.iter().all(|&r| with.norms[r].is_nan()));
+            assert_eq!(keep.iter().map(|&r| with.norms[r]).collect::<Vec<_>>(), without.norms);
+        }
+        let inv = [4096.0];
+        let layout = Layout::new(&rec);
+        let margins = [clip_margin(&rec, 0)];
+        let mode = Accumulate::Rounded(&inv);
+        let (tiled, sq) = clip_sum_tiled(&rec, &layout, &[30.0], &margins, mode).unwrap();
+        assert_eq!(tiled.sums, without.sums);
+        assert!(bad.iter().all(|&r| sq[r] == 0.0), "the screen of a left-out record is 0");
+        // A record over the bound is still truncated when a bad one sits beside it.
+        let y = [1.5f64, 1.5, 1.5, 1.5, f64::NAN, 0.2, 0.2, 0.2];
+        let rec = Records::new(2, vec![Part::new(Column::F64(&y), 4)]).unwrap();
+        let out = clip_round_sum(&rec, 10.0, 1.0, 12).unwrap();
+        assert_eq!((out.truncated, out.sums[0].clone()), (1, vec![1.0; 4]));
     }
 
     #[test]

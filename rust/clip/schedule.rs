@@ -60,19 +60,27 @@ impl Layout {
     }
 
     /// The norm of every group of record r, from the row's per-block partial sums
-    /// (`partial(k)` for block k), handed to `put(g, norm)`.
+    /// (`partial(k)` for block k), handed to `put(g, norm)`. A record that is not finite in some
+    /// group gets NaN in every group (it is left out of every group's sums): with several
+    /// groups `put` is then called a second time for each, with NaN, so it must let the last
+    /// value stand.
     pub(super) fn row_norms(
         &self,
         records: &Records,
         r: usize,
         partial: impl Fn(usize) -> f64,
         mut put: impl FnMut(usize, f64),
-    ) -> DpResult<()> {
+    ) {
+        let mut finite = true;
         for (g, range) in self.groups.iter().enumerate() {
             let sums = range.clone().map(&partial);
-            put(g, norm_from_blocks(records, r, g, sums, &self.weights[range.clone()])?);
+            let n = norm_from_blocks(records, r, g, sums, &self.weights[range.clone()]);
+            finite &= !n.is_nan();
+            put(g, n);
         }
-        Ok(())
+        if !finite && self.groups.len() > 1 {
+            (0..self.groups.len()).for_each(|g| put(g, f64::NAN));
+        }
     }
 }
 
@@ -93,23 +101,20 @@ impl GroupNorms {
             v.extend_from_slice(&tile[g * rows..(g + 1) * rows]);
         }
     }
-    pub(super) fn push(&mut self, g: usize, n: f64) {
-        self.0[g].push(n);
-    }
     pub(super) fn into_flat(self) -> Vec<f64> {
         self.0.concat()
     }
 }
 
 /// Phase 1 for rows [r0, r1): the L2 norm of every group of every row, group-major
-/// (norm[g·(r1 − r0) + r − r0]), or the first record that is not finite.
+/// (norm[g·(r1 − r0) + r − r0]); NaN in every group for a record that is not finite.
 pub(super) fn tile_norms(
     records: &Records,
     layout: &Layout,
     r0: usize,
     r1: usize,
     par: bool,
-) -> DpResult<Vec<f64>> {
+) -> Vec<f64> {
     let blocks = &layout.blocks;
     let nb = blocks.len();
     let rows = r1 - r0;
@@ -130,9 +135,9 @@ pub(super) fn tile_norms(
     let mut norms = vec![0.0f64; rows * layout.groups.len()];
     for r in r0..r1 {
         let row = &partial[(r - r0) * nb..(r - r0 + 1) * nb];
-        layout.row_norms(records, r, |k| row[k], |g, n| norms[g * rows + r - r0] = n)?;
+        layout.row_norms(records, r, |k| row[k], |g, n| norms[g * rows + r - r0] = n);
     }
-    Ok(norms)
+    norms
 }
 
 /// Clip factors of a tile's group-major norms, each group to its bound.
@@ -156,8 +161,47 @@ pub(super) enum Accumulate<'a> {
 
 /// acc += Σ_r f_r·x_r over the columns of `b`, for rows r0, r0 + 1, … (one per factor); rounded
 /// onto the grid with `Accumulate::Rounded`, which adds each row's squared norm into `sq`.
+///
+/// Rows whose factor is NaN ([`left_out`]: non-finite records) are skipped, not multiplied by 0
+/// (0·NaN = NaN): the kernels get the runs of rows between them. The kernels sum each coordinate
+/// in row order whatever the grouping of the rows, so the result is that of the rows without the
+/// skipped ones, bit for bit, and with none skipped it is the one call of before.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn add_rows<T: Elem>(
+    acc: &mut [f64],
+    x: &[T],
+    width: usize,
+    b: &Block,
+    r0: usize,
+    factors: &[f64],
+    mode: Accumulate,
+    sq: &mut [f64],
+) {
+    // Every row kept (the common case): one call. A fold, not `any`, so that it vectorises.
+    if !factors.iter().fold(false, |bad, &f| bad | left_out(f)) {
+        return add_run(acc, x, width, b, r0, factors, mode, sq);
+    }
+    let n = factors.len();
+    let mut start = 0;
+    while start < n {
+        if left_out(factors[start]) {
+            start += 1;
+            continue;
+        }
+        let end = factors[start..]
+            .iter()
+            .position(|&f| left_out(f))
+            .map_or(n, |k| start + k);
+        // The screen `sq` has one slot per row when rounding, none otherwise.
+        let run_sq = sq.get_mut(start..end).unwrap_or_default();
+        add_run(acc, x, width, b, r0 + start, &factors[start..end], mode, run_sq);
+        start = end;
+    }
+}
+
+/// `add_rows` over a run of rows that are all kept.
+#[allow(clippy::too_many_arguments)]
+fn add_run<T: Elem>(
     acc: &mut [f64],
     x: &[T],
     width: usize,
@@ -281,7 +325,7 @@ pub(super) fn clip_sum_tiled(
         let mut r0 = 0;
         while r0 < records.batch {
             let r1 = (r0 + step).min(records.batch);
-            let tile = tile_norms(records, layout, r0, r1, par)?;
+            let tile = tile_norms(records, layout, r0, r1, par);
             let factors = tile_factors(&tile, r1 - r0, clips, margins);
             let tile_sq = sq.get_mut(r0..r1).unwrap_or_default();
             let blocks = &layout.blocks;
@@ -371,7 +415,7 @@ pub(super) fn clip_sum_owned(
     let barrier = SpinBarrier::new(threads);
     let (norms, sq) = {
         let runs = owned_runs(&mut sums, blocks, threads);
-        let work = |t: usize| -> DpResult<(Vec<f64>, Vec<f64>)> {
+        let work = |t: usize| -> (Vec<f64>, Vec<f64>) {
             let mut mine = runs[t].lock().unwrap_or_else(|e| e.into_inner());
             // This thread's columns' share of each row's squared rounded norm.
             let mut sq = vec![0.0f64; screen_len(records, mode)];
@@ -379,6 +423,8 @@ pub(super) fn clip_sum_owned(
             let mut norms = GroupNorms::new(records);
             // Group-major, OWNED_TILE_ROWS per group.
             let mut factors = vec![0.0f64; rows * ng];
+            // The tile's norms, group-major with r1 − r0 per group (as `GroupNorms::extend` reads).
+            let mut tile_n = vec![0.0f64; rows * ng];
             for (tile, r0) in (0..batch).step_by(rows).enumerate() {
                 let r1 = (r0 + rows).min(batch);
                 let buf = &partials[(tile % 2) * rows * nb..][..rows * nb];
@@ -390,17 +436,18 @@ pub(super) fn clip_sum_owned(
                 }
                 if !barrier.wait() {
                     // Another thread panicked; its panic is re-raised below, this value unread.
-                    return Ok((Vec::new(), Vec::new()));
+                    return (Vec::new(), Vec::new());
                 }
                 for r in r0..r1 {
                     let row = &buf[(r - r0) * nb..][..nb];
                     let partial = |k: usize| f64::from_bits(row[k].load(Ordering::Relaxed));
                     layout.row_norms(records, r, partial, |g, n| {
                         factors[g * rows + r - r0] = clip_factor(n, clips[g], margins[g]);
-                        if t == 0 {
-                            norms.push(g, n);
-                        }
-                    })?;
+                        tile_n[g * (r1 - r0) + r - r0] = n;
+                    });
+                }
+                if t == 0 {
+                    norms.extend(&tile_n[..ng * (r1 - r0)], r1 - r0);
                 }
                 for run in mine.iter_mut() {
                     let p = &records.parts[run.part];
@@ -415,7 +462,7 @@ pub(super) fn clip_sum_owned(
                     accumulate_block(records, run.acc, &b, r0, f, mode, tile_sq);
                 }
             }
-            Ok((norms.into_flat(), sq))
+            (norms.into_flat(), sq)
         };
         let results = rayon::broadcast(|ctx| {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(ctx.index())));
@@ -431,14 +478,10 @@ pub(super) fn clip_sum_owned(
                 Ok(v) => outcomes.push(v),
             }
         }
-        // Every thread computed the same norms and the same error, if any; thread 0 (a broadcast
-        // always has one) kept the norms. The screen adds the threads' shares in thread order.
-        let mut shares = Vec::with_capacity(outcomes.len());
-        for o in outcomes {
-            shares.push(o?);
-        }
-        let (norms, mut sq) = shares.remove(0);
-        for (_, other) in &shares {
+        // Every thread computed the same norms; thread 0 (a broadcast always has one) kept them.
+        // The screen adds the threads' shares in thread order.
+        let (norms, mut sq) = outcomes.remove(0);
+        for (_, other) in &outcomes {
             sq.iter_mut().zip(other).for_each(|(a, b)| *a += b);
         }
         (norms, sq)

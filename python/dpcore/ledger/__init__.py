@@ -65,6 +65,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._attrs import readonly
+from .. import _trace
 from ..accounting.base import DEFAULT_ACCOUNTANT, check_accountant, make_accountant
 from ..events import SelfComposedEvent
 from ._events import analysis_relation, check_neighboring, rdp_relation_error, run_relation, samples_to_event
@@ -286,6 +287,9 @@ class PrivacyLedger:
             sample, tuples, non_private, with_sample=self._pending is not None, new_streams=new_streams
         )
         f.write(entries)
+        if _trace.active():
+            for e in entries:
+                _trace.ledger(e)
         self._streams.update(new_streams)
         updated = _replace(sample, queries=sample.queries + tuple(tuples), non_private=sample.non_private or non_private)
         if self._pending is not None:

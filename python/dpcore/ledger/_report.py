@@ -48,7 +48,10 @@ ASSUMPTIONS = (
     "Hyperparameter tuning is not included: runs made to choose the hyperparameters cost privacy too, "
     "and are not in this ledger; account the tuning runs and this one together with `dpcore report --study` "
     "(dpcore.study.Study: Papernot & Steinke 2022).",
-    "Each record is one {unit}, and the population size is the number of records the sampler drew from.",
+    "Each record is one {unit}. The population size n recorded for each sample is public: the sampling "
+    "probability and the fixed denominator of an average (q·n) are stated for it. Under add-or-remove adjacency "
+    "the true number of records is itself data; dpcore's adapters record the size declared with "
+    "population_size=, and otherwise read it from the dataset and assume it public.",
     "The noise and the sampling come from ChaCha20 keyed from the operating system (no test seed).",
 )
 MF_ASSUMPTION = (

@@ -46,13 +46,16 @@ def clipping_query(
     granularity: Optional[float] = None,
     joint_scales: Optional[Sequence[float]] = None,
     what: str = "parameter tensors",
+    on_nonfinite: str = "zero",
 ) -> Any:
     """The query of ``clipping`` over ``parts``: their number m (a per-layer NestedQuery is then
     a list, in the parts' order) or their names (a per-layer NestedQuery keyed by them).
     ``max_grad_norm`` C is one bound, or for ``"per_layer"`` a list of m bounds;
     ``noise_multiplier`` z; ``denominator`` the fixed denominator of the average (the expected
     batch); ``noise_mechanism`` ``"gaussian"`` or ``"discrete_gaussian"`` (with ``granularity``);
-    ``joint_scales`` the m scales α_j of ``"joint"``. ``what`` names the parts in errors."""
+    ``joint_scales`` the m scales α_j of ``"joint"``. ``what`` names the parts in errors.
+    ``on_nonfinite``: what a record with a NaN or infinite value gets in every leaf, ``"zero"``
+    (zero contribution, the default) or ``"raise"`` (``ValueError``; debugging only, not DP)."""
     names = None if isinstance(parts, int) else list(parts)
     m = parts if names is None else len(names)
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
@@ -72,15 +75,17 @@ def clipping_query(
         else:
             clips = per_layer_clip_norms(_positive("max_grad_norm", max_grad_norm), m)
         sds = proportional_noise(z, clips)
-        leaves = [GaussianAverageQuery(c, sd, den, mechanism=noise_mechanism, granularity=granularity)
+        leaves = [GaussianAverageQuery(c, sd, den, mechanism=noise_mechanism, granularity=granularity,
+                                       on_nonfinite=on_nonfinite)
                   for c, sd in zip(clips, sds)]
         return NestedQuery(leaves if names is None else dict(zip(names, leaves)))
     if isinstance(max_grad_norm, (list, tuple)):
         raise ValueError("a list of max_grad_norm values needs clipping='per_layer'")
     c = _positive("max_grad_norm", max_grad_norm)
     if clipping == "flat":
-        return GaussianAverageQuery(c, z * c, den, mechanism=noise_mechanism, granularity=granularity)
+        return GaussianAverageQuery(c, z * c, den, mechanism=noise_mechanism, granularity=granularity,
+                                    on_nonfinite=on_nonfinite)
     if joint_scales is None or isinstance(joint_scales, (str, bytes)) or len(joint_scales) != m:
         raise ValueError(f"clipping='joint' needs joint_scales with one scale per part ({m} {what})")
     return JointClipQuery(list(joint_scales), c, z * c, denominator=den, mechanism=noise_mechanism,
-                          granularity=granularity)
+                          granularity=granularity, on_nonfinite=on_nonfinite)

@@ -23,6 +23,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .. import _trace
+
 from ..mechanism import gaussian_noise
 from .._seeds import derive_seed
 from .base import (
@@ -33,6 +35,12 @@ from ..events import ComposedQueryEvent, SumQueryEvent
 from .gaussian import GaussianSumQuery
 
 __all__ = ["QuantileAdaptiveClipQuery", "AdaptiveClipGlobalState", "AdaptiveClipSampleState"]
+
+
+def _centred_unclipped(norms: np.ndarray, clip: float) -> float:
+    """Σ_i (b_i − ½), b_i = 1[‖x_i‖ ≤ C]. A NaN norm (a non-finite record, which the clip left
+    out) counts as clipped, b_i = 0: a fixed value, never a NaN in the count (NaN ≤ C is false)."""
+    return float(np.count_nonzero(norms <= clip)) - 0.5 * norms.size
 
 # The clip norm stays inside this range whatever the updates (the core needs a finite C > 0).
 _CLIP_MIN, _CLIP_MAX = 1e-30, 1e30
@@ -67,7 +75,11 @@ class QuantileAdaptiveClipQuery(DPQuery):
       (Andrew et al. suggest σ_b ≈ expected_num_records/20);
     * ``expected_num_records``: the expected sample size q·n, which turns the noised count into a
       fraction;
-    * ``denominator``: divide the result by it (e.g. q·n) for the fixed-denominator average.
+    * ``denominator``: divide the result by it (e.g. q·n) for the fixed-denominator average;
+    * ``on_nonfinite``: a record with a NaN or ±∞ value adds zero to the sum and counts as a
+      clipped record (norm > C: its indicator b_i is 0, a fixed value whatever the record holds,
+      so the count's sensitivity is unchanged) with ``"zero"``, the default; ``"raise"`` raises
+      ``ValueError`` naming it instead (debugging only, not differentially private).
     """
 
     def __init__(
@@ -80,6 +92,7 @@ class QuantileAdaptiveClipQuery(DPQuery):
         expected_num_records: float,
         *,
         denominator: Optional[float] = None,
+        on_nonfinite: str = "zero",
     ) -> None:
         self._c0 = positive("initial_l2_norm_clip", initial_l2_norm_clip)
         if not _CLIP_MIN <= self._c0 <= _CLIP_MAX:
@@ -105,7 +118,7 @@ class QuantileAdaptiveClipQuery(DPQuery):
             if not math.isfinite(self._z_delta):
                 raise ValueError("noise_multiplier and clipped_count_stddev leave no finite noise for the sum")
         # The clip used on the records comes from the sample params; the noise from the global state.
-        self._sum = GaussianSumQuery(self._c0, self._z_delta * self._c0)
+        self._sum = GaussianSumQuery(self._c0, self._z_delta * self._c0, on_nonfinite=on_nonfinite)
 
     def __repr__(self) -> str:
         return (
@@ -113,6 +126,11 @@ class QuantileAdaptiveClipQuery(DPQuery):
             f"target_unclipped_quantile={self._gamma}, learning_rate={self._eta}, "
             f"clipped_count_stddev={self._sigma_b}, expected_num_records={self._expected})"
         )
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a record with a NaN or infinite value gets: ``"zero"`` or ``"raise"``."""
+        return self._sum.on_nonfinite
 
     @property
     def sum_noise_multiplier(self) -> float:
@@ -145,7 +163,7 @@ class QuantileAdaptiveClipQuery(DPQuery):
 
     def _with_count(self, st: AdaptiveClipSampleState, sums: Any, norms: np.ndarray) -> AdaptiveClipSampleState:
         # The indicator uses the same C as the clipping, in one vectorised pass over the B norms.
-        centred = float(np.count_nonzero(norms <= sums.l2_norm_clip)) - 0.5 * norms.size
+        centred = _centred_unclipped(norms, sums.l2_norm_clip)
         return AdaptiveClipSampleState(sums, st.centred_unclipped + centred, sums.l2_norm_clip)
 
     def clip_job(self, params: Any, sample_state: Any, records: Any) -> Optional[ClipJob]:
@@ -179,7 +197,14 @@ class QuantileAdaptiveClipQuery(DPQuery):
     def _next_global(self, gs: AdaptiveClipGlobalState, centred: float, seed: Optional[int]) -> AdaptiveClipGlobalState:
         """The geometric clip update from the noised unclipped count (Andrew et al., Eq. (2))."""
         noise_b = float(gaussian_noise((), self._sigma_b, dtype=np.float64, seed=derive_seed(seed, 1)))
-        fraction = (centred + noise_b) / self._expected + 0.5
+        noised = centred + noise_b
+        if _trace.active():  # the count is a release of its own (sensitivity 1/2: a record is ±1/2)
+            _trace.release(
+                "queries.adaptive_count", [{"sums": [np.array([centred])], "sensitivity": 0.5}],
+                denominator=self._expected, noise={"stddev": self._sigma_b},
+            )
+            noised = float(_trace.output("queries.adaptive_count", [np.array([noised])])[0][0])
+        fraction = noised / self._expected + 0.5
         fraction = min(1.0, max(0.0, fraction))
         new_clip = gs.l2_norm_clip * math.exp(-self._eta * (fraction - self._gamma))
         new_clip = min(_CLIP_MAX, max(_CLIP_MIN, new_clip))
@@ -200,8 +225,7 @@ class QuantileAdaptiveClipQuery(DPQuery):
 
     def accumulate_norms(self, params: Any, norm_state: Any, norms: np.ndarray) -> float:
         clip = positive("l2_norm_clip (sample params)", params)
-        n = np.asarray(norms, dtype=np.float64)
-        return float(norm_state or 0.0) + float(np.count_nonzero(n <= clip)) - 0.5 * n.size
+        return float(norm_state or 0.0) + _centred_unclipped(np.asarray(norms, dtype=np.float64), clip)
 
     def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> float:
         return float(norm_state_1 or 0.0) + float(norm_state_2 or 0.0)

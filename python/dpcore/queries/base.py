@@ -31,6 +31,7 @@ from .. import _core
 from ..mechanism import _seed
 from .._validate import nonnegative, parts, positive  # noqa: F401 (the queries import them from here)
 from .._seeds import derive_seed  # noqa: F401 (its home before dpcore._seeds)
+from .. import _trace
 
 
 class DPQuery:
@@ -201,6 +202,9 @@ def noise_releases(releases: Sequence[GaussianRelease], seed: Optional[int] = No
     """The results of many Gaussian releases, with all their noise drawn in one core call (the
     Gaussian mechanism of McMahan et al. 2018, §1 step 3, for each group; every part of every
     release reads its own ChaCha20 streams). ``seed``: tests only."""
+    if _trace.active():
+        for r in releases:
+            _trace_release(r)
     sums = [np.ascontiguousarray(s, dtype=np.float64).ravel() for r in releases for s in r.sums]
     sds = [float(sd) for r in releases for sd in r.part_stddevs]
     dens = [float(r.denominator) for r in releases for _ in r.sums]
@@ -209,8 +213,29 @@ def noise_releases(releases: Sequence[GaussianRelease], seed: Optional[int] = No
     results = []
     for r in releases:
         outs = [next(flat).reshape(s.shape) for s in r.sums]
+        if _trace.active():  # a grey-box neighbour run releases the first run's values
+            outs = _trace.output("queries.noise_releases", outs)
         results.append(outs[0] if r.kind is np.ndarray else r.kind(outs))
     return results
+
+
+def _trace_release(r: GaussianRelease) -> None:
+    """The grey-box trace of a release (:mod:`dpcore._trace`): its undivided pre-noise sums
+    and the sensitivity its event declares; joint clipping's part scales are the ratios of the
+    parts' stddevs to the event's."""
+    ev = r.event
+    while getattr(ev, "events", None):  # adaptive clipping: (the sums' event, the count's event)
+        ev = ev.events[0]
+    clip = getattr(ev, "l2_norm_clip", None)
+    base = getattr(ev, "stddev", None)
+    scales = [sd / base for sd in r.part_stddevs] if base else None
+    _trace.release(
+        "queries.noise_releases",
+        [{"sums": list(r.sums), "sensitivity": float("nan") if clip is None else clip, "scales": scales}],
+        denominator=r.denominator,
+        noise={"part_stddevs": list(r.part_stddevs)},
+        event=r.event,
+    )
 
 
 def check_parts(num_parts: Any) -> int:

@@ -13,8 +13,10 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import _core
-from ..mechanism import DiscreteGaussianParams, _unpack, check_mechanism, clip_sum, discrete_gaussian_params
+from .. import _core, _trace
+from ..mechanism import (
+    DiscreteGaussianParams, _unpack, check_mechanism, check_norms, check_on_nonfinite, clip_sum, discrete_gaussian_params,
+)
 from .base import (
     ClipJob, DPQuery, GaussianRelease, ReleasePlan, SumState, check_parts, noise_releases, nonnegative, positive,
 )
@@ -76,13 +78,22 @@ class GaussianSumQuery(DPQuery):
     ``granularity`` (default: the power of two of :func:`dpcore.discrete_gaussian_params` for
     the group's size), summed exactly, and noised with N_ℤ; the result is float64 and the event
     is ``SumQueryEvent(Δ, σ̃, "discrete_gaussian")`` with Δ ≥ S the sensitivity after rounding.
+
+    ``on_nonfinite``: a record with a NaN or ±∞ value adds zero to the sum (``"zero"``, the
+    default: the zero vector has norm 0 ≤ S, so the tuple (S, σ̃) holds, and nothing about the
+    record shows in whether the step succeeds), or :meth:`accumulate_records` raises
+    ``ValueError`` naming the first one and adds nothing (``"raise"``: a debugging aid whose
+    behaviour depends on the data, not differentially private). See :mod:`dpcore.mechanism`.
     """
 
     _scales: Optional[Tuple[float, ...]] = None
+    _on_nonfinite: str = "zero"
 
     def __init__(
-        self, l2_norm_clip: float, stddev: float, *, mechanism: str = "gaussian", granularity: Optional[float] = None
+        self, l2_norm_clip: float, stddev: float, *, mechanism: str = "gaussian", granularity: Optional[float] = None,
+        on_nonfinite: str = "zero",
     ) -> None:
+        self._on_nonfinite = check_on_nonfinite(on_nonfinite)
         self._clip = positive("l2_norm_clip", l2_norm_clip)
         self._stddev = nonnegative("stddev", stddev)
         self._mechanism = check_mechanism(mechanism)
@@ -92,11 +103,20 @@ class GaussianSumQuery(DPQuery):
 
     def __repr__(self) -> str:
         extra = "" if self._mechanism == "gaussian" else f", mechanism={self._mechanism!r}"
-        return f"{type(self).__name__}(l2_norm_clip={self._clip}, stddev={self._stddev}{extra})"
+        return f"{type(self).__name__}(l2_norm_clip={self._clip}, stddev={self._stddev}{extra}{self._nonfinite_repr()})"
+
+    def _nonfinite_repr(self) -> str:
+        return "" if self._on_nonfinite == "zero" else f", on_nonfinite={self._on_nonfinite!r}"
 
     @property
     def mechanism(self) -> str:
         return self._mechanism
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a record with a NaN or infinite value gets: ``"zero"`` (zero contribution, the
+        default) or ``"raise"`` (``ValueError``; debugging only, not differentially private)."""
+        return self._on_nonfinite
 
     def _discrete(self, clip: float, stddev: float, dim: int) -> DiscreteGaussianParams:
         return discrete_gaussian_params(clip, stddev / clip, dim, granularity=self._granularity)
@@ -118,11 +138,14 @@ class GaussianSumQuery(DPQuery):
 
     def accumulate_with_norms(self, params: Any, sample_state: Any, records: Any) -> Tuple[SumState, np.ndarray]:
         """As :meth:`accumulate_records`, also returning the records' unclipped norms (B,) (of the
-        scaled records for joint clipping). The norms are not private; use them only inside a
-        query that privatizes what it derives from them."""
+        scaled records for joint clipping; NaN for a record with a NaN or infinite value, which
+        added zero). The norms are not private; use them only inside a query that privatizes
+        what it derives from them."""
         job = self.clip_job(params, sample_state, records)
         if job is not None:
-            sums, norms = clip_sum(list(job.arrays), job.l2_norm_clip, scales=job.scales, dtype=np.float64)
+            sums, norms = clip_sum(
+                list(job.arrays), job.l2_norm_clip, scales=job.scales, dtype=np.float64, on_nonfinite=self._on_nonfinite
+            )
             return self.accumulate_clipped(params, sample_state, list(sums), norms), norms
         # The discrete Gaussian: each record rounded onto the grid, which depends on the clip
         # actually used; the noise uses the stddev of the release.
@@ -134,6 +157,7 @@ class GaussianSumQuery(DPQuery):
         p = self._discrete(clip, self._stddev or clip, dim)
         scales = None if self._scales is None else list(self._scales)
         flat, norms, _ = _core.clip_round_sum(list(arrays), clip, p.granularity, p.sens_sq, scales)
+        check_norms(norms, self._on_nonfinite)
         sums = [f.reshape(s.shape) for f, s in zip(flat, st.sums)]
         return st.added(sums, clip), norms
 
@@ -201,6 +225,15 @@ class GaussianSumQuery(DPQuery):
             flat, list(scales), clip, z, dim, p.granularity, True, self._denominator(), seed, False
         )
         outs = [o.reshape(s.shape) for o, s in zip(outs, st.sums)]
+        if _trace.active():  # the grey-box harness: the rounded sums (grid steps γ·α_j) and their sensitivity
+            ev = self._discrete_event(st, gs, clip)
+            _trace.release(
+                "queries.discrete_release", [{"sums": [x * (p.granularity * a) for x, a in zip(st.sums, scales)],
+                                                "sensitivity": ev.l2_norm_clip, "scales": list(scales)}],
+                denominator=self._denominator(), noise={"stddev": ev.stddev, "granularity": p.granularity},
+                event=ev,
+            )
+            outs = _trace.output("queries.discrete_release", outs)
         return outs[0] if st.kind is np.ndarray else st.kind(outs)
 
     plan_from_global_state = True
@@ -260,14 +293,15 @@ class GaussianAverageQuery(GaussianSumQuery):
 
     def __init__(
         self, l2_norm_clip: float, stddev: float, denominator: float, *, mechanism: str = "gaussian",
-        granularity: Optional[float] = None,
+        granularity: Optional[float] = None, on_nonfinite: str = "zero",
     ) -> None:
-        super().__init__(l2_norm_clip, stddev, mechanism=mechanism, granularity=granularity)
+        super().__init__(l2_norm_clip, stddev, mechanism=mechanism, granularity=granularity, on_nonfinite=on_nonfinite)
         self._den = positive("denominator", denominator)
 
     def __repr__(self) -> str:
         return (
-            f"GaussianAverageQuery(l2_norm_clip={self._clip}, stddev={self._stddev}, denominator={self._den})"
+            f"GaussianAverageQuery(l2_norm_clip={self._clip}, stddev={self._stddev}, denominator={self._den}"
+            f"{self._nonfinite_repr()})"
         )
 
     def _denominator(self) -> float:
@@ -292,9 +326,9 @@ class JointClipQuery(GaussianSumQuery):
 
     def __init__(
         self, scales: Sequence[float], l2_norm_clip: float, stddev: float, *, denominator: Optional[float] = None,
-        mechanism: str = "gaussian", granularity: Optional[float] = None,
+        mechanism: str = "gaussian", granularity: Optional[float] = None, on_nonfinite: str = "zero",
     ) -> None:
-        super().__init__(l2_norm_clip, stddev, mechanism=mechanism, granularity=granularity)
+        super().__init__(l2_norm_clip, stddev, mechanism=mechanism, granularity=granularity, on_nonfinite=on_nonfinite)
         if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
             raise TypeError("scales must be a sequence of floats, one per part of the group")
         vals = tuple(positive(f"scales[{k}]", a) for k, a in enumerate(scales))
@@ -306,7 +340,10 @@ class JointClipQuery(GaussianSumQuery):
         self._den = 1.0 if denominator is None else positive("denominator", denominator)
 
     def __repr__(self) -> str:
-        return f"JointClipQuery(scales={list(self._scales or ())}, l2_norm_clip={self._clip}, stddev={self._stddev})"
+        return (
+            f"JointClipQuery(scales={list(self._scales or ())}, l2_norm_clip={self._clip}, stddev={self._stddev}"
+            f"{self._nonfinite_repr()})"
+        )
 
     def _denominator(self) -> float:
         return self._den
@@ -323,11 +360,11 @@ class CountQuery(GaussianSumQuery):
     :class:`NestedQuery` beside the gradient groups so it is accounted with them by Eq. (1).
     """
 
-    def __init__(self, stddev: float) -> None:
-        super().__init__(1.0, stddev)
+    def __init__(self, stddev: float, *, on_nonfinite: str = "zero") -> None:
+        super().__init__(1.0, stddev, on_nonfinite=on_nonfinite)
 
     def __repr__(self) -> str:
-        return f"CountQuery(stddev={self._stddev})"
+        return f"CountQuery(stddev={self._stddev}{self._nonfinite_repr()})"
 
 
 class NoPrivacyQuery(DPQuery):

@@ -156,7 +156,9 @@ class MatrixFactorizationQuery(GaussianSumQuery):
     :class:`~dpcore.matrix_factorization.BLTStrategy` (e.g. from
     :func:`dpcore.matrix_factorization.optimize`); ``participation``: the data pipeline's
     :class:`~dpcore.matrix_factorization.Participation`; ``steps``: the planned releases.
-    ``stddev`` may be given instead of ``noise_multiplier`` (σ of z directly).
+    ``stddev`` may be given instead of ``noise_multiplier`` (σ of z directly). ``on_nonfinite``:
+    what a record with a NaN or infinite value gets, as for :class:`GaussianSumQuery` (``"zero"``,
+    the default: zero contribution; ``"raise"``: ``ValueError``, debugging only).
     """
 
     def __init__(
@@ -169,6 +171,7 @@ class MatrixFactorizationQuery(GaussianSumQuery):
         steps: int,
         denominator: Optional[float] = None,
         stddev: Optional[float] = None,
+        on_nonfinite: str = "zero",
     ) -> None:
         if not isinstance(strategy, (BandedStrategy, BLTStrategy)):
             raise TypeError(f"strategy must be a BandedStrategy or BLTStrategy, got {type(strategy).__name__}")
@@ -187,7 +190,7 @@ class MatrixFactorizationQuery(GaussianSumQuery):
         else:
             sd = nonnegative("stddev", stddev)
             self._z = sd / (clip * self._sensitivity)
-        super().__init__(clip, sd)
+        super().__init__(clip, sd, on_nonfinite=on_nonfinite)
         self._den = 1.0 if denominator is None else positive("denominator", denominator)
         self._declaration = canonical_json(
             {"strategy": strategy.to_dict(), "participation": participation.to_dict(), "steps": self._steps}

@@ -76,6 +76,10 @@ class MicrobatchQuery(DPQuery):
     only the microbatch it belongs to. With ``example_level_privacy=False`` the privacy unit is the
     microbatch itself (McMahan et al. 2018, Table 1) and the bound stays C. The expected
     denominator of an average is then the expected number of microbatches.
+
+    An example with a NaN or ±∞ value makes its microbatch's average non-finite, and the inner
+    query treats that average as its ``on_nonfinite`` says: by default it adds zero (within
+    either bound: zero has norm 0); with ``"raise"`` the error names the microbatch's index.
     """
 
     def __init__(self, query: DPQuery, microbatch_size: int, *, example_level_privacy: bool = True) -> None:

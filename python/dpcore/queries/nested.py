@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 
 from .. import _core
+from ..mechanism import check_norms
 from .._seeds import derive_seed
 from .base import DPQuery, noise_releases
 from ..events import ComposedQueryEvent
@@ -88,8 +89,15 @@ class NestedQuery(DPQuery):
 
     The Gaussian leaves (sum, average, joint-clipping, count and adaptive-clipping queries) are
     clipped together in one Rust call per batch, each group to its own bound, and noised
-    together in one more (see :meth:`DPQuery.clip_job`); the results are the ones the leaves
-    would give on their own, up to the noise drawn. Other leaves run on their own.
+    together in one more (see :meth:`DPQuery.clip_job`); for finite records the results are the
+    ones the leaves would give on their own, up to the noise drawn. Other leaves run on their own.
+
+    A record with a NaN or ±∞ value in any of the fused groups adds zero to every fused group's
+    sum (the record, not the group, is the unit of privacy; each group still contributes at most
+    its bound S_g, and zero has norm 0); a leaf run on its own (a discrete Gaussian leaf, say)
+    treats its own group's records as that leaf does. If any fused leaf was built with
+    ``on_nonfinite="raise"``, the one call raises ``ValueError`` naming the first such record,
+    and no leaf's state changes (debugging only, not differentially private).
 
     Seeds (tests only) are split into an independent one per leaf.
     """
@@ -150,6 +158,9 @@ class NestedQuery(DPQuery):
             groups = [g for g, k in enumerate(fused) for _ in jobs[k].arrays]
             scales = [a for k in fused for a in (jobs[k].scales or (1.0,) * len(jobs[k].arrays))]
             flat, norms = _core.clip_sum_groups(arrays, groups, [jobs[k].l2_norm_clip for k in fused], scales)
+            if any(getattr(self._queries[k], "on_nonfinite", "zero") == "raise" for k in fused):
+                # a non-finite record has norm NaN in every group: group 0's norms tell
+                check_norms(norms, "raise", batch)
             it = iter(flat)
             for g, k in enumerate(fused):
                 sums = [next(it).reshape(a.shape[1:]) for a in jobs[k].arrays]

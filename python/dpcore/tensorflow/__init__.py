@@ -90,14 +90,17 @@ class CustomLoopTrainer:
     ``"gaussian"`` (the default) or ``"discrete_gaussian"`` (with ``granularity``). :meth:`batches`
     yields Poisson samples of (x, y) drawn by dpcore's CSPRNG sampler and recorded in ``ledger``;
     an empty batch must be stepped too (it releases pure noise). ``get_epsilon(delta)`` reads the
-    ledger.
+    ledger. ``on_nonfinite`` (for the query built here): a record whose gradient holds a NaN or
+    ±∞ contributes zero (``"zero"``, the default) or :meth:`step` raises ``ValueError`` naming
+    it before anything is recorded (``"raise"``: debugging only, not differentially private).
     """
 
     def __init__(self, model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, loss_fn: Callable[[Any, Any], Any],
                  *, ledger: PrivacyLedger, population_size: int, sampling_probability: Optional[float] = None,
                  noise_multiplier: float = 1.0, max_grad_norm: Any = 1.0, query: Optional[DPQuery] = None,
                  clipping: str = "flat", joint_scales: Any = None, noise_mechanism: Optional[str] = None,
-                 granularity: Optional[float] = None, sample_rate: Optional[float] = None) -> None:
+                 granularity: Optional[float] = None, sample_rate: Optional[float] = None,
+                 on_nonfinite: str = "zero") -> None:
         from .. import _names
         from ..queries._build import clipping_query
 
@@ -113,6 +116,8 @@ class CustomLoopTrainer:
             )
         self.model, self.optimizer, self.loss_fn, self.ledger = model, optimizer, loss_fn, ledger
         self.n, self.q = int(population_size), float(sampling_probability)
+        if query is not None and on_nonfinite != "zero":
+            raise ValueError("on_nonfinite configures the query built here; give it to your query= instead")
         if query is None:
             m = len(model.trainable_variables) if clipping != "flat" else 1
             if m == 0:
@@ -120,7 +125,7 @@ class CustomLoopTrainer:
             query = clipping_query(
                 m, clipping=clipping, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                 denominator=self.q * self.n, noise_mechanism=nm, granularity=granularity, joint_scales=joint_scales,
-                what="trainable variables",
+                what="trainable variables", on_nonfinite=on_nonfinite,
             )
         self.query = query
         self.global_state = self.query.initial_global_state()

@@ -10,8 +10,10 @@ are in ``_make_private.py``, and the plan of matrix-factorization noise in ``_mf
 
 The core is called from Python, so the train step runs eagerly (``compile`` sets
 ``run_eagerly=True``); the per-record gradients themselves still run as one TF graph per
-(micro-)batch. An exception from the core (a non-finite per-record gradient) therefore leaves
-``fit`` as the original ``ValueError``, before anything reaches the ledger or the weights.
+(micro-)batch. A record whose per-record gradient has a NaN or ±∞ value contributes zero to the
+step's sum and the step releases as usual (``on_nonfinite="zero"``, the default: differentially
+private, see :mod:`dpcore.mechanism`). With ``on_nonfinite="raise"`` the query's ``ValueError``
+leaves ``fit`` before anything reaches the ledger or the weights (a debugging aid, not DP).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .. import _adapters
 from ._data import CyclicBatches, PoissonBatches, SampledBatches, sampled_batches
 from ._mf import _mf_config
 from .._validate import positive as _number
+from ..mechanism import check_on_nonfinite
 
 __all__ = ["DPModel", "CLIPPING"]
 
@@ -123,6 +126,12 @@ class DPModel(keras.Model):
       ``max_physical_batch_size``×P, the mechanism is unchanged.
     * ``optimizer``: used by :meth:`compile` when it is given none.
     * ``seed``: tests only (release k's noise comes from ``derive_seed(seed, k)``; no privacy).
+    * ``on_nonfinite``: a record whose per-record gradient holds a NaN or ±∞ contributes zero to
+      the release (``"zero"``, the default: zero has norm 0 ≤ C, and the step goes ahead whatever
+      the record holds, so nothing shows whether it was sampled; Cebere et al., PETS 2026), or
+      the step raises ``ValueError`` naming it before anything is recorded or applied
+      (``"raise"``: a debugging aid whose behaviour depends on the data, not differentially
+      private). The ``loss`` that ``fit`` logs is the raw batch's and may then be NaN.
 
     Matrix-factorization (correlated) noise: ``noise_mechanism="blt"`` or ``"banded"``
     with ``epochs`` (the planned epochs), ``population_size`` n and
@@ -189,8 +198,10 @@ class DPModel(keras.Model):
         num_selected: int = 1,
         joint_scales: Any = None,
         granularity: Optional[float] = None,
+        on_nonfinite: str = "zero",
         **kwargs: Any,
     ) -> None:
+        on_nonfinite = check_on_nonfinite(on_nonfinite)
         l2_norm_clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
         noise_mechanism = _names.noise_mechanism(noise_mechanism)
         noise_mechanism, strategy = _names.legacy_independent(noise_mechanism, strategy)
@@ -291,7 +302,7 @@ class DPModel(keras.Model):
             noise_multiplier=z, l2_norm_clip=clips, expected_batch_size=den, population_size=n,
             sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
             joint_scales=joint_scales, noise_mechanism=noise_mechanism, granularity=granularity,
-            _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
+            on_nonfinite=on_nonfinite, _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
             _global_state=None, _template=None, _grad_fn=None, _mf=mf_cfg,
             sampler=kind, _drawn=drawn, _accountant=None if kind is None else _adapters.default_accountant(kind),
         ).items():
@@ -347,12 +358,25 @@ class DPModel(keras.Model):
         elif isinstance(x, CyclicBatches):
             raise TypeError("CyclicBatches are for matrix-factorization noise: build the DPModel with noise_mechanism=")
         elif isinstance(x, PoissonBatches):
-            if not math.isclose(x.expected_batch_size, self.expected_batch_size, rel_tol=1e-9):
-                raise ValueError(
-                    f"PoissonBatches has q·n = {x.expected_batch_size} but this DPModel divides by "
-                    f"expected_batch_size = {self.expected_batch_size} (the fixed denominator must be q·n)"
-                )
-            sampling = _Sampling(x.population_size, x.sampling_probability, "poisson", x.seeded)
+            if self.population_size is not None:
+                # N declared public on the model: q·N is the denominator and N is what the ledger
+                # records, whatever the arrays' length (under add-or-remove adjacency that length
+                # is data; Opacus #571), so only q must agree
+                q = self.expected_batch_size / self.population_size
+                if not math.isclose(x.sampling_probability, q, rel_tol=1e-9):
+                    raise ValueError(
+                        f"PoissonBatches samples at q = {x.sampling_probability} but this DPModel divides by "
+                        f"expected_batch_size = {self.expected_batch_size} = q·N with N = population_size = "
+                        f"{self.population_size}, so q = {q}"
+                    )
+                sampling = _Sampling(self.population_size, x.sampling_probability, "poisson", x.seeded)
+            else:
+                if not math.isclose(x.expected_batch_size, self.expected_batch_size, rel_tol=1e-9):
+                    raise ValueError(
+                        f"PoissonBatches has q·n = {x.expected_batch_size} but this DPModel divides by "
+                        f"expected_batch_size = {self.expected_batch_size} (the fixed denominator must be q·n)"
+                    )
+                sampling = _Sampling(x.population_size, x.sampling_probability, "poisson", x.seeded)
         elif isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(x) or hasattr(x, "__next__"):
             if self.population_size is None:
                 raise TypeError(
@@ -530,14 +554,14 @@ class DPModel(keras.Model):
             cfg = self._mf
             query: Any = MatrixFactorizationQuery(
                 self.l2_norm_clip, z, strategy=cfg["strategy"], participation=cfg["participation"], steps=cfg["steps"],
-                denominator=den,
+                denominator=den, on_nonfinite=self.on_nonfinite,
             )
         else:
             # flat, per-layer (a list in the variables' order) or joint: the one builder of the front ends
             query = clipping_query(
                 m, clipping=self.clipping, max_grad_norm=self.l2_norm_clip, noise_multiplier=z, denominator=den,
                 noise_mechanism=self.noise_mechanism, granularity=self.granularity, joint_scales=self.joint_scales,
-                what="trainable variables",
+                what="trainable variables", on_nonfinite=self.on_nonfinite,
             )
         template = [_Spec(v.shape, v.dtype) for v in variables]
         object.__setattr__(self, "_query", query)
@@ -570,8 +594,9 @@ class DPModel(keras.Model):
         1. per-record gradients g_i of the per-record loss, in micro-batches of at most
            ``max_physical_batch_size`` records;
         2. each g_i clipped by the core to C (flat) or per variable (per-layer), summed in
-           float64 (the query's ``accumulate_records``); a non-finite g_i raises ``ValueError``
-           here, before the ledger or the weights are touched;
+           float64 (the query's ``accumulate_records``); a g_i with a NaN or ±∞ value adds zero
+           (``on_nonfinite="zero"``), or raises ``ValueError`` here, before the ledger or the
+           weights are touched (``"raise"``, debugging only);
         3. the sample recorded (``record_sample``), ChaCha20 Gaussian noise of stddev σ̃ = z·C
            added by the core and the sum divided by q·n (``get_noised_result``); an empty batch
            releases pure noise;
@@ -605,7 +630,7 @@ class DPModel(keras.Model):
             loss, y_pred, grads = self._per_record_fn()(part)
             # Flat: one group of all variables, clipped jointly; per-layer: one leaf per variable.
             records = [np.asarray(g) for g in grads]
-            state = q.accumulate_records(params, state, records)  # core clip; raises on NaN/inf
+            state = q.accumulate_records(params, state, records)  # core clip; NaN/inf records add zero
             losses.append(loss)
             preds.append(y_pred)
         if sampling.source is None:

@@ -52,6 +52,7 @@ def make_private(
     target_epsilon: Optional[float] = None,
     target_delta: Optional[float] = None,
     accountant: Optional[str] = None,
+    on_nonfinite: str = "zero",
 ) -> DPModel:
     """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
     (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
@@ -84,6 +85,11 @@ def make_private(
 
     ``noise_multiplier`` σ, or ``target_epsilon`` with ``target_delta`` and ``epochs``: σ then
     calibrated by :func:`make_private_with_epsilon` (under ``accountant``). Exactly one of the two.
+
+    ``on_nonfinite``: ``"zero"`` (the default) gives a record whose per-record gradient holds a
+    NaN or ±∞ zero contribution, and the step releases as usual (differentially private);
+    ``"raise"`` makes the step raise ``ValueError`` naming it, before anything is recorded (a
+    debugging aid whose behaviour depends on the data, not differentially private).
     """
     clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
     noise_mechanism = _names.noise_mechanism(noise_mechanism)
@@ -96,6 +102,7 @@ def make_private(
             max_physical_batch_size=max_physical_batch_size, seed=seed, noise_mechanism=noise_mechanism,
             strategy=strategy, participation=participation, batch_size=batch_size, sampler=sampler,
             max_batch_size=max_batch_size, num_selected=num_selected, joint_scales=joint_scales, granularity=granularity,
+            on_nonfinite=on_nonfinite,
         )
     if accountant is not None:
         raise ValueError("accountant= is the calibration's accountant: give it with target_epsilon=")
@@ -122,6 +129,7 @@ def make_private(
         num_selected=num_selected,
         joint_scales=joint_scales,
         granularity=granularity,
+        on_nonfinite=on_nonfinite,
     )
 
 
