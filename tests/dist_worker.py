@@ -29,9 +29,21 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def model(init_seed: int) -> torch.nn.Module:
+def model(init_seed: int, kind: str = "mlp") -> torch.nn.Module:
     torch.manual_seed(init_seed)
+    if kind == "conv":  # a convolution and a GroupNorm (the rules an empty batch crashed)
+        return torch.nn.Sequential(
+            torch.nn.Unflatten(1, (3, 2, 2)), torch.nn.Conv2d(3, 32, 2, padding=1), torch.nn.GroupNorm(4, 32),
+            torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(32 * 9, K),
+        )
     return torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, K))
+
+
+def empty_steps(opts: dict, rank: int) -> set:
+    """The logical steps at which this rank's batch is replaced by an empty one (``empty0=1,3``:
+    rank 0 at steps 1 and 3), as a Poisson sample of no record would be."""
+    v = opts.get(f"empty{rank}", "")
+    return {int(s) for s in v.split(",") if s}
 
 
 def adaptive_query(clip: float, z: float, batch: int, n: int):
@@ -60,15 +72,53 @@ def start(default_steps: int) -> tuple:
     )
 
 
+def greybox(out: str, opts: dict, rank: int, make_model) -> None:
+    """The grey-box neighbour harness run on every rank in step (the same sequence of runs on
+    each, so that their collectives meet): 3 Poisson steps of data-parallel (or FSDP2) DP-SGD on
+    D and on each neighbour, the population size declared; the findings saved."""
+    from dpcore.audit import neighbour_audit
+
+    g = torch.Generator().manual_seed(1)
+    n = 48
+    x, y = torch.randn(n, D, generator=g).numpy(), torch.randint(0, K, (n,), generator=g).numpy()
+    runs = [0]
+
+    def train(cols, seed):
+        xs, ys = cols
+        net = make_model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        runs[0] += 1
+        kw = {"max_physical_batch_size": int(opts["physical"])} if "physical" in opts else {}
+        data = DataLoader(TensorDataset(torch.from_numpy(xs), torch.from_numpy(ys)), batch_size=16)
+        net, opt, loader = make_private(net, opt, data, noise_multiplier=1.0, max_grad_norm=1.0, seed=seed,
+                                        ledger=os.path.join(out, f"greybox{runs[0]}.jsonl"), population_size=n, **kw)
+        loader.steps = 3
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            opt.step()
+
+    res = neighbour_audit(train, (x, y), ("remove", "add", "replace", "nan", "inf", "huge", "zero"))
+    torch.save({"findings": [str(f) for f in res.findings], "table": res.table(),
+                "releases": [r.releases for r in res.runs], "ratios": [r.max_ratio for r in res.runs]},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     scenario, out, opts, rank, steps, batch, z, clip, seed, ledger = start(5)
+    if scenario == "greybox":
+        return greybox(out, opts, rank, lambda: model(100 + rank))
     # Different initial weights on each rank: make_private must start every rank from rank 0's.
-    net: torch.nn.Module = model(100 + rank)
+    net: torch.nn.Module = model(100 + rank, opts.get("model", "mlp"))
     if opts.get("ddp") == "1":
         net = torch.nn.parallel.DistributedDataParallel(net)
     kw = {}
     if "physical" in opts:
         kw["max_physical_batch_size"] = int(opts["physical"])
+    if "on_nonfinite" in opts:
+        kw["on_nonfinite"] = opts["on_nonfinite"]
     if scenario == "noise":
         net = torch.nn.Linear(200, 100)
         ds = TensorDataset(torch.randn(N, 200), torch.zeros(N, 100))
@@ -79,9 +129,14 @@ def main() -> None:
     else:
         kw["noise_multiplier"], kw["max_grad_norm"] = z, clip
     opt = torch.optim.SGD(net.parameters(), lr=float(opts.get("lr", 0.5 if scenario != "noise" else 1.0)))
-    net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed, **kw)
+    reduction = opts.get("reduction", "mean")
+    net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed,
+                                    loss_reduction=reduction, **kw)
     loader.steps = steps
     result: dict = {"indices": [], "sizes": [], "errors": None, "completed": 0, "clips": []}
+    emptied = empty_steps(opts, rank)
+    # the common loop: forward and backward also on an empty batch (else skipped, as the docs allow)
+    always = opts.get("always_backward") == "1"
     before = [p.detach().clone() for p in net.parameters()]
     cur: list = []
     die_after = int(opts.get("die_after", -1))
@@ -89,17 +144,20 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         for x, y in loader:
-            cur.append(loader.last_indices.copy())
+            idx = loader.last_indices.copy()
+            if result["completed"] in emptied:
+                x, y, idx = x[:0], y[:0], idx[:0]
+            cur.append(idx)
             opt.zero_grad()
             if rank == 1 and result["completed"] == nan_at and len(x):
                 x = x.clone()
                 x[0] = float("nan")  # a bad record on one rank only
-            if len(x):
+            if len(x) or always:
                 out_ = net(x)
                 if scenario == "noise":
                     loss = (out_ * 0.0).sum()
                 else:
-                    loss = torch.nn.functional.cross_entropy(out_, y)
+                    loss = torch.nn.functional.cross_entropy(out_, y, reduction=reduction)
                 loss.backward()
             opt.step()
             if opt.last_step_released:

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpcore.torch import DistributedError, make_private
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_worker import adaptive_query, finish, start  # noqa: E402
+from dist_worker import adaptive_query, empty_steps, finish, greybox, start  # noqa: E402
+from dist_worker import model as mlp  # noqa: E402
 
 N, D, K, V, T = 240, 12, 5, 50, 6
 
@@ -53,8 +54,25 @@ class Encoder(torch.nn.Module):
         return self.head(self.block(self.emb(idx)).mean(1))
 
 
+class ConvNet(torch.nn.Module):
+    """Embedding + Conv1d + GroupNorm + a head: the rules an empty batch crashed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, 8)
+        self.conv = torch.nn.Conv1d(8, 32, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 32)
+        self.head = torch.nn.Linear(32, K)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.conv(self.emb(idx).transpose(1, 2)))
+        return self.head(torch.tanh(h).mean(2))
+
+
 def model(init_seed: int = 0, width: int = 7, kind: str = "net") -> torch.nn.Module:
     torch.manual_seed(init_seed)
+    if kind == "conv":
+        return ConvNet()
     return Encoder() if kind == "encoder" else Net(width)
 
 
@@ -69,15 +87,28 @@ def shard(net: torch.nn.Module, mp: str) -> torch.nn.Module:
     kw = {}
     if mp == "bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    blocks = (net.emb, net.block, net.head) if isinstance(net, Encoder) else (net.emb, net.fc1, net.fc2)
+    if isinstance(net, ConvNet):
+        blocks: tuple = (net.emb, net.conv, net.head)
+    else:
+        blocks = (net.emb, net.block, net.head) if isinstance(net, Encoder) else (net.emb, net.fc1, net.fc2)
     for m in blocks:
         fully_shard(m, **kw)
     fully_shard(net, **kw)
     return net
 
 
+def sharded_mlp() -> torch.nn.Module:
+    net = mlp(0)  # the same initial weights on every rank (FSDP2 does not broadcast)
+    for m in (net[0], net[2]):
+        fully_shard(m)
+    fully_shard(net)
+    return net
+
+
 def main() -> None:
     scenario, out, opts, rank, steps, batch, z, clip, seed, ledger = start(4)
+    if scenario == "greybox":
+        return greybox(out, opts, rank, sharded_mlp)
     net = shard(model(0, int(opts.get("width", 7)), opts.get("model", "net")), opts.get("mp", "none"))
     kw: dict = {}
     if opts.get("adaptive") == "1":
@@ -86,19 +117,27 @@ def main() -> None:
         kw["noise_multiplier"], kw["max_grad_norm"] = z, clip
     if "physical" in opts:
         kw["max_physical_batch_size"] = int(opts["physical"])
+    if "on_nonfinite" in opts:
+        kw["on_nonfinite"] = opts["on_nonfinite"]
     ds = dataset()
     opt_cls = torch.optim.Adam if opts.get("optim") == "adam" else torch.optim.SGD
     opt = opt_cls(net.parameters(), lr=float(opts.get("lr", 0.05)))
-    net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed, **kw)
+    reduction = opts.get("reduction", "mean")
+    net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed,
+                                    loss_reduction=reduction, **kw)
     loader.steps = steps
     result: dict = {"indices": [], "errors": None, "completed": 0, "clips": []}
+    emptied = empty_steps(opts, rank)
     nan_at = int(opts.get("nan_at", -1))
     cur: list = []
     die_after = int(opts.get("die_after", -1))
     grads: list = []
     try:
         for x, y in loader:
-            cur.append(loader.last_indices.copy())
+            idx = loader.last_indices.copy()
+            if result["completed"] in emptied:
+                x, y, idx = x[:0], y[:0], idx[:0]
+            cur.append(idx)
             opt.zero_grad()
             # Under FSDP2 every rank runs every forward and backward pass (they gather the
             # weights together), also on an empty batch.
@@ -108,7 +147,10 @@ def main() -> None:
                     bad = torch.ones(len(x), 1)
                     bad[0] = float("nan")
                     out_ = out_ * bad  # a non-finite record on one rank only
-                loss = (out_ * 0.0).sum() if scenario == "noise" else torch.nn.functional.cross_entropy(out_, y)
+                if scenario == "noise":
+                    loss = (out_ * 0.0).sum()
+                else:
+                    loss = torch.nn.functional.cross_entropy(out_, y, reduction=reduction)
                 loss.backward()
             opt.step()
             if not opt.last_step_released:  # between micro-batches: what the optimizer holds

@@ -414,18 +414,27 @@ def test_conv_generic_path_matches_reference():
         np.testing.assert_allclose(cs, np.tensordot(c, ref[n], axes=([0], [0])), rtol=1e-4, atol=1e-6)
 
 
-def test_non_finite_record_named():
+@pytest.mark.parametrize("on_nonfinite", ["zero", "raise"])
+def test_non_finite_record(on_nonfinite):
+    """The default ("zero"): the record contributes nothing and the step releases (no control
+    flow depends on it; tests/test_torch_nonfinite.py has every layer family); "raise" names it."""
     model = mlp()
     led = dpcore.PrivacyLedger(tmp_ledger())
+    kw = {} if on_nonfinite == "zero" else {"on_nonfinite": on_nonfinite}
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, noise_multiplier=1.0,
-                      max_grad_norm=1.0, expected_batch_size=4.0, ledger=led)
+                      max_grad_norm=1.0, expected_batch_size=4.0, ledger=led, **kw)
     x = torch.randn(4, 7)
     x[2, 1] = float("nan")
     led.record_sample(40, 0.1)
     nn.functional.cross_entropy(model(x), torch.randint(0, 4, (4,))).backward()
-    with pytest.raises(ValueError, match="record 2"):
+    if on_nonfinite == "raise":
+        with pytest.raises(ValueError, match="record 2"):
+            opt.step()
+        assert led.num_releases == 0
+    else:
         opt.step()
-    assert led.num_releases == 0
+        assert led.num_releases == 1 and opt.last_step_released
+        assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_failure_part_way_through_accumulation_drops_every_accumulator():

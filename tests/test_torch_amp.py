@@ -25,7 +25,9 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import dpcore  # noqa: E402
-from dpcore.torch import DPOptimizer, OverflowSkipWarning, PerRecordGradients, clip_factors, clip_margin, make_private  # noqa: E402
+from dpcore.torch import (  # noqa: E402
+    DPOptimizer, GradScalerGrowthWarning, OverflowSkipWarning, PerRecordGradients, clip_factors, clip_margin, make_private,
+)
 from test_torch_layers import brute_force, ce, dp_update  # noqa: E402
 
 torch.set_num_threads(1)
@@ -256,12 +258,15 @@ def test_noise_is_added_in_float32_and_cast_once():
 # ----------------------------------------------------------------------------- GradScaler
 
 
-def _fp16_setup(init_scale, phys=None, n=64, batch=8, seed=3):
+FIXED = 2**31 - 1  # a growth interval no run reaches: a fixed scale (torch refuses growth_factor=1.0)
+
+
+def _fp16_setup(init_scale, phys=None, n=64, batch=8, seed=3, growth_interval=FIXED):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 3))
     data = torch.utils.data.TensorDataset(torch.randn(n, 7), torch.randint(0, 3, (n,)))
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
     ledger = dpcore.PrivacyLedger(os.path.join(tempfile.mkdtemp(), "l.jsonl"))
     model, opt, loader = make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.05), loader, noise_multiplier=0.0, max_grad_norm=1.0,
@@ -295,42 +300,114 @@ def test_grad_scaler_unscales_before_the_clip():
             torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)
 
 
-def test_grad_scaler_overflow_skips_without_a_ledger_entry():
-    model, opt, loader, scaler, ledger = _fp16_setup(2.0**20, batch=4)  # float16 overflows at 65504
-    before = [p.detach().clone() for p in model.parameters()]
-    it = iter(loader)
-    x, y = next(it)
-    with pytest.warns(OverflowSkipWarning, match="nothing was released"):
-        _fp16_step(model, opt, scaler, x, y)
-    assert ledger.num_releases == 0 and len(ledger.samples) == 0 and opt.skipped_steps == 1
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert scaler.get_scale() == 2.0**19  # the scaler backed off
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OverflowSkipWarning)
-        for x, y in it:
-            _fp16_step(model, opt, scaler, x, y)
-    assert ledger.num_releases == len(loader) - opt.skipped_steps
-    assert scaler.get_scale() == 2.0 ** (20 - opt.skipped_steps) and 1 < opt.skipped_steps < len(loader)
-    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    # every sample in the ledger has its release: skipped samples left no entry
-    assert all(s.released for s in ledger.samples)
+# The issue's reproduction (Cebere et al., PETS 2026): a regression MLP under float16 autocast
+# with GradScaler(init_scale=2**10); one record whose target is 3e3 overflows its scaled float16
+# gradient (2·3e3·1024 > 65504). dpcore used to skip all three steps (scale 1024 -> 512 -> 256 ->
+# 128), and to release all three at 1024 without that record: the skips and the scale depended on
+# one record. Now both runs release three steps at scale 1024, and the outlier contributes zero.
+
+OUTLIER = 5
 
 
-def test_grad_scaler_overflow_in_a_micro_batch_skips_the_logical_batch():
-    model, opt, loader, scaler, ledger = _fp16_setup(2.0**40, phys=3, n=64, batch=16)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always", OverflowSkipWarning)
-        for x, y in loader:
+def _regression_run(outlier, steps=3, growth_interval=2000, on_nonfinite="zero", micro=None):
+    """``steps`` releases of one fixed batch (the outlier record included or dropped); returns
+    (parameters, scales seen at each step, ledger lines)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
+    y[OUTLIER] = 3e3
+    if not outlier:
+        keep = [i for i in range(8) if i != OUTLIER]
+        x, y = x[keep], y[keep]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval)
+
+    class Loader:
+        logical_batch_complete = True
+
+    loader = Loader()
+    path = os.path.join(tempfile.mkdtemp(), "l.jsonl")
+    with pytest.warns(GradScalerGrowthWarning, match="never lowers"):
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model, noise_multiplier=0.0,
+                          max_grad_norm=1.0, expected_batch_size=8.0, ledger=path, loss_reduction="sum",
+                          grad_scaler=scaler, data_loader=loader, on_nonfinite=on_nonfinite)
+    scales = []
+    parts = [slice(0, None)] if micro is None else [slice(i, i + micro) for i in range(0, len(x), micro)]
+    for _ in range(steps):
+        opt.ledger.record_sample(100, 0.08)
+        for k, part in enumerate(parts):
+            loader.logical_batch_complete = k == len(parts) - 1
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
-                loss = ce(model(x), y)
+                out = model(x[part])
+            loss = ((out.float() - y[part]) ** 2).sum()
+            scales.append(float(scaler.get_scale()))
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-            if loader.logical_batch_complete:
-                break
-    assert len([x for x in w if x.category is OverflowSkipWarning]) == 1
-    assert ledger.num_releases == 0 and opt.skipped_steps == 1
+    with open(path) as f:
+        return [p.detach().clone() for p in model.parameters()], scales, f.read().splitlines(), opt
+
+
+def test_issue_repro_every_step_releases_at_a_fixed_scale():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverflowSkipWarning)  # deprecated: never emitted
+        got, scales, ledger, opt = _regression_run(True)
+        ref, ref_scales, ref_ledger, _ = _regression_run(False)
+    assert scales == ref_scales == [2.0**10] * 3
+    assert opt.grad_scaler.get_scale() == 2.0**10  # no backoff after the outlier's overflow
+    assert opt.ledger.num_releases == 3 and opt.skipped_steps == 0 and opt.last_step_released
+    assert ledger == ref_ledger
+    for a, b in zip(got, ref):  # the outlier contributed zero
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    # it did overflow: "raise" names it
+    with pytest.raises(ValueError, match=f"record {OUTLIER} .*scaled by 1024"):
+        _regression_run(True, on_nonfinite="raise")
+
+
+def test_scale_follows_its_growth_schedule_alone():
+    """growth_interval=2: ×2 every 2 steps with or without the overflowing record."""
+    got, scales, _, _ = _regression_run(True, steps=5, growth_interval=2)
+    ref, ref_scales, _, _ = _regression_run(False, steps=5, growth_interval=2)
+    assert scales == ref_scales == [2.0**10, 2.0**10, 2.0**11, 2.0**11, 2.0**12]
+
+
+def test_overflow_in_a_micro_batch_releases_the_logical_batch():
+    got, scales, ledger, opt = _regression_run(True, steps=2, micro=3)  # the outlier in the second of 3
+    ref, _, ref_ledger, _ = _regression_run(False, steps=2, micro=3)
+    assert set(scales) == {2.0**10} and opt.ledger.num_releases == 2
+    # the clean run's micro-batches differ (7 records), the releases do not
+    assert ledger == ref_ledger
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_grad_scaler_overflow_never_skips():
+    """A scale far too large (2²⁰: float16 overflows at 65504): every record overflows or not,
+    every step releases and the scale never backs off."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, loader, scaler, ledger = _fp16_setup(2.0**20, batch=4)
+        for x, y in loader:
+            _fp16_step(model, opt, scaler, x, y)
+    assert not [w for w in caught if w.category is OverflowSkipWarning]
+    assert ledger.num_releases == len(ledger.samples) == len(loader) and opt.skipped_steps == 0
+    assert scaler.get_scale() == 2.0**20
+    assert all(s.released for s in ledger.samples)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_growing_scaler_warns_fixed_does_not():
+    model = nn.Linear(7, 3)
+    kw = dict(model=model, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0,
+              ledger=os.path.join(tempfile.mkdtemp(), "l.jsonl"))
+    with pytest.warns(GradScalerGrowthWarning, match=r"growth_interval=2\*\*31 - 1"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=torch.amp.GradScaler("cpu"), **kw).engine.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradScalerGrowthWarning)
+        sc = torch.amp.GradScaler("cpu", growth_interval=FIXED)
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=sc, **kw).engine.remove()
 
 
 def test_scaler_not_attached_is_refused():

@@ -64,9 +64,11 @@ def _ok(codes: list, out: Path) -> None:
         assert c == 0, f"rank {r} exited with {c}: " + (out / f"log{r}").read_text()[-3000:]
 
 
-def single_process(indices: list, *, clip: float, batch: int, lr: float = 0.5, adaptive: bool = False) -> list:
+def single_process(
+    indices: list, *, clip: float, batch: int, lr: float = 0.5, adaptive: bool = False, kind: str = "mlp"
+) -> list:
     """The same training in one process, on the union of the ranks' samples at each step."""
-    net = dist_worker.model(100)  # rank 0's initial weights
+    net = dist_worker.model(100, kind)  # rank 0's initial weights
     ds = dist_worker.dataset()
     q = batch / dist_worker.N
     kw: dict = {}
@@ -85,7 +87,7 @@ def single_process(indices: list, *, clip: float, batch: int, lr: float = 0.5, a
     return [p.detach() for p in net.parameters()]
 
 
-def _check_matches_one_process(out: Path, *, batch: int = 48, adaptive: bool = False) -> None:
+def _check_matches_one_process(out: Path, *, batch: int = 48, adaptive: bool = False, kind: str = "mlp") -> None:
     r0, r1 = load(out, 0), load(out, 1)
     # the ranks' parameters are bit-identical
     for a, b in zip(r0["params"], r1["params"]):
@@ -99,7 +101,7 @@ def _check_matches_one_process(out: Path, *, batch: int = 48, adaptive: bool = F
         assert len(np.unique(i0)) == len(i0) and len(np.unique(i1)) == len(i1)
         union.append(np.sort(np.concatenate([i0, i1])))
     assert [len(u) for u in union] == [a + b for a, b in zip(r0["sizes"], r1["sizes"])]
-    ref = single_process(union, clip=0.5, batch=batch, adaptive=adaptive)
+    ref = single_process(union, clip=0.5, batch=batch, adaptive=adaptive, kind=kind)
     for a, b in zip(r0["params"], ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # and training moved them: the comparison is not between two untouched models
@@ -120,6 +122,24 @@ def test_two_ranks_virtual_batches_and_adaptive_clipping(tmp_path: Path) -> None
     batch) and adaptive clipping, whose count is summed over the ranks."""
     _ok(launch("train", tmp_path, seed=5, steps=6, physical=5, adaptive=1), tmp_path)
     _check_matches_one_process(tmp_path, adaptive=True)
+
+
+@pytest.mark.parametrize("reduction,extra", [("mean", {}), ("sum", {"physical": 5, "adaptive": 1})])
+def test_empty_batches_on_one_or_both_ranks(tmp_path: Path, reduction: str, extra: dict) -> None:
+    """A convolution and a GroupNorm, the common loop (forward and backward also on an empty
+    batch), rank 0's batch empty at steps 1 and 3, rank 1's at step 3 (no record at all): every
+    rank steps at every step, every step is released and recorded once, the ranks agree, and
+    the run ends where one process does on the union of the samples (with micro-batches of at
+    most 5 records and adaptive clipping, whose count is summed over the ranks, too)."""
+    opts = dict(seed=11, steps=5, model="conv", always_backward=1, reduction=reduction, empty0="1,3", empty1="3", **extra)
+    _ok(launch("train", tmp_path, **opts), tmp_path)
+    _check_matches_one_process(tmp_path, adaptive=bool(extra), kind="conv")
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    assert r0["errors"] is None and r1["errors"] is None
+    assert r0["completed"] == r1["completed"] == 5
+    assert r0["releases"] == r1["releases"] == 5
+    assert r0["epsilon"] == r1["epsilon"]
+    assert r0["sizes"][1] == r0["sizes"][3] == r1["sizes"][3] == 0 and r1["sizes"][1] > 0
 
 
 def test_noise_is_added_once_with_the_single_process_stddev(tmp_path: Path) -> None:
@@ -151,10 +171,11 @@ def test_dead_rank_fails_the_step_and_the_ledger_holds_the_released_steps(tmp_pa
 
 @pytest.mark.parametrize("adaptive", ["0", "1"])
 def test_bad_record_on_one_rank_fails_every_rank_at_once(tmp_path: Path, adaptive: str) -> None:
-    """A non-finite gradient on rank 1 raises there (a ValueError naming it); rank 0 learns of
-    it in the same step (in the all-reduce, or with adaptive clipping in the gathered norm
-    states) instead of waiting for the timeout, and nothing of that step is recorded."""
-    codes = launch("train", tmp_path, steps=6, nan_at=2, timeout=60, seed=4, adaptive=adaptive)
+    """With on_nonfinite="raise" (a debugging aid), a non-finite gradient on rank 1 raises there
+    (a ValueError naming it); rank 0 learns of it in the same step (in the all-reduce, or with
+    adaptive clipping in the gathered norm states) instead of waiting for the timeout, and
+    nothing of that step is recorded."""
+    codes = launch("train", tmp_path, steps=6, nan_at=2, timeout=60, seed=4, adaptive=adaptive, on_nonfinite="raise")
     _ok(codes, tmp_path)
     r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
     assert r1["errors"].startswith("ValueError") and "finite" in r1["errors"]
@@ -162,6 +183,20 @@ def test_bad_record_on_one_rank_fails_every_rank_at_once(tmp_path: Path, adaptiv
     assert r0["error_after_s"] < 30
     assert r0["completed"] == r1["completed"] == 2
     assert dpcore.PrivacyLedger.load(tmp_path / "ledger.jsonl").num_releases == 2
+
+
+@pytest.mark.parametrize("adaptive", ["0", "1"])
+def test_bad_record_on_one_rank_contributes_zero_by_default(tmp_path: Path, adaptive: str) -> None:
+    """The default (on_nonfinite="zero"): the NaN record on rank 1 contributes nothing, every
+    step releases on both ranks, and the ranks stay identical and finite."""
+    noise = 0.0 if adaptive == "1" else 0.5  # (the adaptive query's count noise is set for z = 0)
+    _ok(launch("train", tmp_path, steps=4, nan_at=2, timeout=60, seed=4, adaptive=adaptive, noise=noise), tmp_path)
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    assert r0["errors"] is None and r1["errors"] is None
+    assert r0["completed"] == r1["completed"] == 4
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert dpcore.PrivacyLedger.load(tmp_path / "ledger.jsonl").num_releases == 4
 
 
 def test_only_rank_zero_writes_the_ledger_and_a_restart_continues_it(tmp_path: Path) -> None:
@@ -195,3 +230,13 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     _check_matches_one_process(tmp_path)
+
+
+@pytest.mark.parametrize("physical", [None, 5])
+def test_greybox_neighbour_harness_passes_on_every_rank(tmp_path: Path, physical) -> None:
+    """The grey-box neighbour harness (data-parallel, 2 ranks on gloo): on D and on seven neighbours
+    with identical randomness, every rank's releases, ledger entries and denominators agree and
+    the two pre-noise sums (summed over the ranks) differ by at most the declared sensitivity."""
+    from greybox_cases import check_ranks
+
+    check_ranks(launch, load, tmp_path, physical)

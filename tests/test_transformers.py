@@ -510,6 +510,8 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(NotImplementedError, match="auto_find_batch_size"):
         DPTrainer(model=gpt2(), args=targs(tmp_path, auto_find_batch_size=True), train_dataset=DATA,
                   noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        make(noise_multiplier=1.0, max_grad_norm=1.0, on_nonfinite="skip")
     assert not os.path.exists(tmp_path / "privacy_ledger.jsonl")  # nothing opened on bad arguments
 
     tr = make(noise_multiplier=1.0, max_grad_norm=1.0, per_record_loss=lambda m, x: causal_lm_per_record_loss(m, x).mean())
@@ -533,13 +535,14 @@ def test_bad_arguments(tmp_path):
     assert all(a is None for a in tr.dp_optimizer._batch.acc)  # the first micro-batch's records were dropped
 
 
-def test_fp16_grad_scaler_overflow_skips_record_nothing(tmp_path):
+def test_fp16_grad_scaler_overflow_never_skips(tmp_path):
     """fp16 with accelerate's GradScaler (a CUDA feature; here a CPU GradScaler put where
-    accelerate keeps it): the loss is scaled, the clip sees unscaled gradients, and a step whose
-    scaled gradients overflowed releases and records nothing while the scaler backs off. On CPU
-    accelerate runs fp16=True without autocast, so the loss here runs the forward under float16
-    autocast itself, as CUDA's fp16 would."""
-    from dpcore.torch import OverflowSkipWarning
+    accelerate keeps it): the loss is scaled and the clip sees unscaled gradients. A scale so
+    large that records overflow (2¹⁸: float16 overflows at 65504) skips nothing and never backs
+    off: such records contribute zero, every step releases, and accelerate sees no skipped step
+    (the skip and the backoff would depend on the data). On CPU accelerate runs fp16=True without
+    autocast, so the loss here runs the forward under float16 autocast itself, as CUDA's fp16 would."""
+    from dpcore.torch import GradScalerGrowthWarning, OverflowSkipWarning
 
     def fp16_loss(m, inputs):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -548,17 +551,45 @@ def test_fp16_grad_scaler_overflow_skips_record_nothing(tmp_path):
     model = lora(gpt2())
     before = snapshot(model)
     tr = dp_trainer(tmp_path, model, dp=dict(per_record_loss=fp16_loss), fp16=True, max_steps=12)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18)  # float16 overflows at 65504
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18)  # accelerate's default growth (×2 every 2000)
     tr.accelerator.scaler = scaler
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", OverflowSkipWarning)
+        warnings.simplefilter("always")
         tr.train()
+    assert not [w for w in caught if w.category is OverflowSkipWarning]
+    assert [w for w in caught if w.category is GradScalerGrowthWarning]  # growth advised against
     dp = tr.dp_optimizer
     assert dp.grad_scaler is scaler
-    skipped = dp.skipped_steps
-    assert skipped == len([w for w in caught if w.category is OverflowSkipWarning])
-    assert 0 < skipped < 12
-    assert scaler.get_scale() == 2.0 ** (18 - skipped)
-    assert tr.ledger.num_releases == len(tr.ledger.samples) == 12 - skipped  # skipped steps left no entry
+    assert dp.skipped_steps == 0
+    assert scaler.get_scale() == 2.0**18  # no backoff
+    assert tr.state.global_step == 12
+    assert tr.ledger.num_releases == len(tr.ledger.samples) == 12
     one_release_per_sample(tr.ledger)
     assert any(not torch.equal(p, before[k]) for k, p in model.named_parameters() if "lora_" in k)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("on_nonfinite", ["zero", "raise"])
+def test_non_finite_record(tmp_path, on_nonfinite):
+    """A record whose loss is NaN: by default it contributes zero and every step releases;
+    on_nonfinite="raise" names it and releases nothing."""
+
+    def nan_first(m, inputs):
+        losses = causal_lm_per_record_loss(m, inputs)
+        poison = torch.ones_like(losses)
+        poison[0] = float("nan")
+        return losses * poison
+
+    model = lora(gpt2())
+    dp = dict(per_record_loss=nan_first)
+    if on_nonfinite == "raise":
+        dp["on_nonfinite"] = "raise"
+    tr = dp_trainer(tmp_path, model, dp=dp, max_steps=3, logging_steps=10)
+    if on_nonfinite == "raise":
+        with pytest.raises(ValueError, match="record 0 of the batch has a non-finite"):
+            tr.train()
+        assert tr.ledger.num_releases == 0
+    else:
+        tr.train()
+        assert tr.ledger.num_releases == len(tr.ledger.samples) == 3
+        assert all(torch.isfinite(p).all() for p in model.parameters())

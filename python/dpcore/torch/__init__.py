@@ -49,9 +49,9 @@ from ._cyclic import CyclicDataLoader, FixedOrderLoader
 from ._data import DPDataLoader
 from ._samplers import SamplerDataLoader, refuse_distributed
 from ._distributed import DistributedError, current_communicator, resolve_ledger
-from ._engine import FallbackWarning, PerRecordGradients, clip_factors, clip_margin, replace_batchnorm
+from ._engine import FallbackWarning, PerRecordGradients, check_on_nonfinite, clip_factors, clip_margin, replace_batchnorm
 from ._rules import EmbeddingRule, LayerRule, register_layer
-from ._optimizer import DPOptimizer, OverflowSkipWarning, PlannedStepsWarning
+from ._optimizer import DPOptimizer, GradScalerGrowthWarning, OverflowSkipWarning, PlannedStepsWarning
 
 __all__ = [
     "make_private",
@@ -65,6 +65,7 @@ __all__ = [
     "PerRecordGradients",
     "FallbackWarning",
     "OverflowSkipWarning",
+    "GradScalerGrowthWarning",
     "DistributedError",
     "register_layer",
     "LayerRule",
@@ -106,6 +107,8 @@ def make_private(
     target_epsilon: Optional[float] = None,
     target_delta: Optional[float] = None,
     accountant: Optional[str] = None,
+    on_nonfinite: str = "zero",
+    population_size: Optional[int] = None,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
 
@@ -181,9 +184,21 @@ def make_private(
     autocast dtype), widened exactly to float32 for its norm (float64) and its clipped
     contribution; noise is added in float32 and the released average is cast to the
     parameters' dtype once. With float16 and ``torch.amp.GradScaler``, pass
-    ``grad_scaler=scaler``: the clip sees unscaled gradients, and a step whose scaled
-    gradients overflowed is skipped (nothing released or recorded; see
+    ``grad_scaler=scaler``: the clip sees unscaled gradients; a record whose scaled gradient
+    overflowed is a non-finite record (below), no step is skipped and the scale never backs
+    off because of the data (prefer a fixed scale, ``growth_interval=2**31 - 1``; see
     :meth:`DPOptimizer.attach_grad_scaler`).
+
+    **The population size.** ``population_size`` N (Poisson sampling): the public number of
+    records that q = batch_size/N, the denominator q·N and the ledger are stated for (default:
+    ``len(dataset)``, then assumed public, as the report says). Under add-or-remove adjacency
+    the dataset's true size is data (Opacus #571): declare N where it is not public.
+
+    **Non-finite records.** ``on_nonfinite="zero"`` (the default): a record whose per-record
+    gradient is NaN or infinite (bad data, an overflow) contributes exactly zero, in every
+    clipping group, and the step releases as usual; nothing is raised or released about it.
+    ``on_nonfinite="raise"`` raises ``ValueError`` naming it instead: a debugging aid whose
+    outcome depends on one record, not DP.
 
     **Data-parallel.** When ``torch.distributed`` is initialised (as ``torchrun`` does) with
     more than one rank, run the same script on every rank with a DataLoader over the same full
@@ -235,6 +250,7 @@ def make_private(
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    check_on_nonfinite(on_nonfinite)
     noise_mechanism = _names.noise_mechanism(noise_mechanism, mechanism)
     noise_mechanism, strategy = _names.legacy_independent(noise_mechanism, strategy)
     if _adapters.wants_target(noise_multiplier, target_epsilon, target_delta, epochs, "make_private"):
@@ -245,7 +261,13 @@ def make_private(
             grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
             granularity=granularity, grad_scaler=grad_scaler, seed=seed, noise_mechanism=noise_mechanism,
             strategy=strategy, participation=participation, keep_loader=keep_loader, sampler=sampler,
-            max_batch_size=max_batch_size, num_selected=num_selected,
+            max_batch_size=max_batch_size, num_selected=num_selected, on_nonfinite=on_nonfinite,
+            population_size=population_size,
+        )
+    if population_size is not None and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) != "poisson"):
+        raise ValueError(
+            "population_size= declares the public N of Poisson sampling (q = batch_size/N, denominator q·N); the other "
+            "samplers and matrix-factorization noise read N from the dataset (the report states it public)"
         )
     if accountant is not None:
         raise ValueError("accountant= is the calibration's accountant: give it with target_epsilon=")
@@ -269,7 +291,7 @@ def make_private(
             grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
             mechanism="gaussian", granularity=granularity, grad_scaler=grad_scaler, seed=seed,
             noise_mechanism=noise_mechanism, strategy=strategy, epochs=epochs, participation=participation,
-            keep_loader=keep_loader,
+            keep_loader=keep_loader, on_nonfinite=on_nonfinite,
         )
     given = [k for k, v in (("strategy", strategy), ("epochs", epochs), ("participation", participation)) if v is not None]
     if keep_loader:
@@ -294,7 +316,8 @@ def make_private(
     ledger = resolve_ledger(ledger, comm)
     if poisson_sampling:
         loader: Any = DPDataLoader.from_data_loader(
-            data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed
+            data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed,
+            population_size=population_size,
         )
         expected = loader.expected_batch_size
     elif kind in _adapters.DRAWN:
@@ -326,6 +349,7 @@ def make_private(
         data_loader=loader,
         grad_scaler=grad_scaler,
         seed=seed,
+        on_nonfinite=on_nonfinite,
     )
     return model, opt, loader
 
@@ -445,7 +469,7 @@ def _make_private_mf(
     max_grad_norm: Any, query: Any, ledger: Any, clipping: str, joint_scales: Any, max_physical_batch_size: Any,
     loss_reduction: str, grad_sample_mode: str, batch_first: bool, poisson_sampling: Optional[bool], mechanism: str,
     granularity: Any, grad_scaler: Any, seed: Any, noise_mechanism: str, strategy: Any, epochs: Any,
-    participation: Any, keep_loader: bool,
+    participation: Any, keep_loader: bool, on_nonfinite: str = "zero",
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     from ..queries import MatrixFactorizationQuery
     from ._mf import choose_strategy, schedule, sgd_momentum
@@ -461,8 +485,8 @@ def _make_private_mf(
         raise ValueError("matrix-factorization noise is Gaussian: mechanism='discrete_gaussian' cannot be combined with it")
     if grad_scaler is not None:
         raise ValueError(
-            "grad_scaler with matrix-factorization noise: a step skipped for an overflow would leave a batch of the "
-            "cycle unreleased; train with bfloat16 autocast (no scaler needed) instead"
+            "grad_scaler with matrix-factorization noise is not supported yet; train with bfloat16 autocast (no "
+            "scaler needed) instead"
         )
     if current_communicator() is not None:
         raise NotImplementedError("matrix-factorization noise is not supported under torch.distributed yet")
@@ -493,7 +517,7 @@ def _make_private_mf(
     opt = DPOptimizer(
         optimizer, model=model, query=q, expected_batch_size=loader.expected_batch_size, ledger=ledger,
         loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
-        data_loader=loader, seed=seed,
+        data_loader=loader, seed=seed, on_nonfinite=on_nonfinite,
     )
     return model, opt, loader
 
@@ -587,7 +611,8 @@ def make_private_with_epsilon(
     if kind == "shuffle":
         z = _calibrated_shuffle_noise(target_epsilon, target_delta, epochs, len(data_loader), accountant)
         return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
-    q = min(1.0, data_loader.batch_size / len(data_loader.dataset))  # type: ignore[arg-type]
+    n = kwargs.get("population_size")
+    q = min(1.0, data_loader.batch_size / (len(data_loader.dataset) if n is None else n))  # type: ignore[arg-type]
     z, _ = _calibrated_noise(target_epsilon, target_delta, epochs, q, "pld" if accountant is None else accountant)
     return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
 

@@ -27,8 +27,7 @@ from ..queries.matrix_factorization import MatrixFactorizationQuery
 from ..queries.microbatch import scale_sensitivity
 from .._validate import positive as _positive
 from ._amp import work_dtype
-from ._engine import clip_factors, clip_margin
-from ._scaler import Overflow
+from ._engine import MIN_FACTOR, clip_factors, clip_margin, nonfinite_error
 
 __all__ = ["CLIPPING", "DIVIDED", "MF", "QueryGroups", "TrainableWatch", "build_query", "check_arguments"]
 
@@ -182,20 +181,35 @@ class QueryGroups:
         return all(g.query.plan_from_global_state for g in self.groups)
 
     @torch.no_grad()
-    def clip_factors(self, engine: Any, check_finite: bool) -> Tuple[int, List[Optional[torch.Tensor]]]:
+    def clip_factors(self, engine: Any, on_nonfinite: str = "zero") -> Tuple[int, List[Optional[torch.Tensor]]]:
         """This micro-batch's record count and each parameter's per-record factor
-        c_i/denominator; raises (recording nothing) on a non-finite per-record gradient, or
-        :class:`Overflow` when ``check_finite`` (a GradScaler) finds one."""
+        c_i/denominator.
+
+        A record whose per-record gradient is NaN or infinite in any parameter (a NaN in its
+        data, a float16 overflow of its scaled gradient under a GradScaler) gets factor 0 in
+        every group and its stored factors zeroed, so that it adds exactly nothing; the adaptive
+        clipping count sees it as above any clip (norm +inf). Nothing about it is raised or
+        released: which records those are changes no control flow. ``on_nonfinite="raise"``
+        raises ``ValueError`` naming the first such record instead (recording nothing)."""
         b, sq = engine.squared_norms()
         factors: List[Optional[torch.Tensor]] = [None] * len(sq)
         if b == 0:
             return 0, factors
-        if check_finite:
-            sums = [s.sum() for s in sq if s is not None]
-            if sums and not bool(torch.isfinite(torch.stack(sums).sum())):
+        bad = engine.nonfinite
+        if bad is not None:
+            if on_nonfinite == "raise":
+                i = int(torch.nonzero(bad)[0, 0])
                 engine.clear()
-                raise Overflow()
+                raise nonfinite_error(i, engine.loss_scale)
+            engine.zero_records()
         dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
+        if bad is not None:
+            bad = bad.to(dev)
+        # The clipped sums apply c_i/denominator·(records/loss scale) in float32: with every
+        # factor ≥ 2⁻¹⁰⁰·max(1, S·den) that product stays ≥ 2⁻¹⁰⁰, far inside float32's normal
+        # range (see clip_factors). The floor depends on the record's norm and public constants
+        # only (the loss scale follows the scaler's data-independent schedule).
+        loss_scale = float(engine.loss_scale)
         states = []
         for g, margin in zip(self.groups, self.margins):
             plan = g.plan()
@@ -203,16 +217,25 @@ class QueryGroups:
             for k, a in zip(g.members, plan.part_scales):
                 if sq[k] is not None:
                     tot = tot + (sq[k] if a == 1.0 else sq[k] / (a * a))
+            if bad is not None:
+                tot = tot.masked_fill(bad, 0.0)
             # 1/denominator folded into the factors (and the noise): the release is one add. A
             # discrete release rounds the undivided sum onto its grid, so it divides afterwards.
-            c = clip_factors(tot, plan.l2_norm_clip, margin)
+            den = float(plan.denominator) if plan.mechanism in DIVIDED else 1.0
+            floor = MIN_FACTOR * max(1.0, loss_scale * den)
+            c = clip_factors(tot, plan.l2_norm_clip, margin, min_factor=floor)
+            if bad is not None:
+                c = c.masked_fill(bad, 0.0)
             if plan.mechanism in DIVIDED:
                 c = c / plan.denominator
             for k in g.members:
                 factors[k] = c
-            # what the query derives from the records' norms (adaptive clipping's count)
-            norms = tot.sqrt().cpu().numpy()
-            states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms))
+            # what the query derives from the records' norms (adaptive clipping's count): a
+            # zeroed record counts as above any clip
+            norms = tot.sqrt()
+            if bad is not None:
+                norms = norms.masked_fill(bad, float("inf"))
+            states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms.cpu().numpy()))
         for g, st in zip(self.groups, states):  # only once every group passed its checks
             g.ns = st
         return b, factors

@@ -99,9 +99,8 @@ def check_combination(s: Setup, operation: Optional[str] = None) -> None:
             )
         if _MF in s.mechanisms:
             raise ValueError(
-                "grad_scaler with matrix-factorization noise: a step skipped for an overflow would leave a batch of the "
-                "cycle unreleased and break the noise stream's alignment with it; train with bfloat16 autocast "
-                "(no scaler needed) instead"
+                "grad_scaler with matrix-factorization noise is not supported yet (untested with the noise stream): "
+                "train with bfloat16 autocast (no scaler needed) instead"
             )
     if operation == "accumulate" and s.distributed:
         raise NotImplementedError(

@@ -78,9 +78,28 @@ def row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
     return [_sq(t, 1) for t in ts]
 
 
+def _zero_rows(t: torch.Tensor, mask: torch.Tensor, memo: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``t`` with its records (rows of dim 0) where ``mask`` holds set to 0, whatever they held
+    (NaN and ±inf included: multiplying them by a zero clip factor would leave NaN). Out of
+    place, since a factor may be a tensor the caller still holds (a model input, a layer's
+    output); one copy per distinct tensor (``memo``, keyed by id), so that factors several uses
+    share stay shared (their ids are what the caches of :func:`shared_factors` key on)."""
+    hit = memo.get(id(t))
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    m = mask.to(device=t.device).reshape((-1,) + (1,) * (t.dim() - 1))
+    out = t.masked_fill(m, 0)
+    memo[id(t)] = (t, out)  # t kept alive with it: its id is not reused while the memo lives
+    return out
+
+
 def _rows_view(param: torch.Tensor, rows: RowRange, t: torch.Tensor) -> torch.Tensor:
     """``t`` (shaped like ``param``) restricted to the row range (dim 0)."""
     return t if rows is None else t[rows[0] : rows[1]]
+
+
+#: The attributes of a contribution that hold one row per record (its batch on dim 0).
+_RECORD_TENSORS = ("a", "g", "colsum", "per")
 
 
 class Contribution:
@@ -111,6 +130,18 @@ class Contribution:
         """acc[rows] += Σ_i c_i·g_i (``c``: (B,) float64, already including any loss scale);
         ``cache`` lets uses that share factors share their scaled copies within one call."""
         raise NotImplementedError
+
+    def zero_records(self, mask: torch.Tensor, memo: Optional[Dict[int, Any]] = None) -> None:
+        """Records (B,) where ``mask`` holds get a zero gradient: every per-record tensor held
+        (activations ``a``, output gradients ``g``, the bias sums ``colsum``, materialised
+        ``per``) has their rows set to 0, out of place (see :func:`_zero_rows`). A record whose
+        gradient is not finite then adds exactly 0 to the clipped sums, where a zero clip factor
+        alone would add NaN (0·NaN). ``memo`` is shared between the uses of one step."""
+        memo = {} if memo is None else memo
+        for k in _RECORD_TENSORS:
+            t = getattr(self, k, None)
+            if isinstance(t, torch.Tensor):
+                setattr(self, k, _zero_rows(t, mask, memo))
 
     def release(self) -> None:
         """Drops the tensors held (once the clipped sum is formed): they are freed as soon as no

@@ -26,7 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from ..matrix_factorization._participation import Participation
 from ..sampling import CyclicPoissonSampler, CyclicSampler
-from ._data import _take_none, physical_batches
+from ._data import empty_batch, physical_batches
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["CyclicDataLoader", "FixedOrderLoader", "check_fixed_order"]
@@ -170,7 +170,7 @@ class CyclicDataLoader:
             t = torch.from_numpy(idx)
             return tuple(x[t] for x in self.dataset.tensors)
         if len(idx) == 0:
-            return _take_none(self.collate_fn([self.dataset[0]]))
+            return empty_batch(self.collate_fn, self.dataset[0])
         return self.collate_fn([self.dataset[int(i)] for i in idx])
 
     def __iter__(self) -> Iterator[Any]:

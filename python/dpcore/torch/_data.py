@@ -4,7 +4,10 @@ McMahan et al. 2018, §5).
 Every logical batch is one Poisson sample: each record joins independently with probability q,
 drawn by :func:`dpcore.poisson_sample` and recorded in the ledger (the sampling the
 subsampled-Gaussian accountant assumes). Batches vary in size and may be empty; an empty batch is
-still yielded (with zero rows), because skipping it would reveal that no record was sampled.
+still yielded (with zero rows: every part of the batch that holds one value per record is cut to
+none, :func:`empty_batch`), because skipping it would reveal that no record was sampled. The
+training loop runs its forward and backward passes on it as on any other, and the optimizer's
+step releases the noise alone.
 With ``max_physical_batch_size`` a logical batch is cut into micro-batches that the optimizer
 accumulates (virtual batches): noise and the ledger's release come once per logical batch.
 
@@ -42,6 +45,11 @@ class DPDataLoader:
       :attr:`logical_batch_complete` is True after the last micro-batch of a logical batch.
     * ``collate_fn``: for map-style datasets other than :class:`TensorDataset` (default
       :func:`torch.utils.data.default_collate`).
+    * ``population_size``: N, the public number of records the sampling and the average are
+      stated for (default: ``len(dataset)``). The ledger records N, and the fixed denominator is
+      q·N; the sample is drawn from the dataset's actual records. Under add-or-remove adjacency
+      the dataset's size is itself a function of the data (Opacus #571): declare N when it is
+      not public, so that neither q, the denominator nor the ledger reads it from the data.
     * ``seed``: tests and reproductions only — a seeded sample is predictable, gives no
       amplification in truth, and is marked ``seeded`` in the ledger (each rank derives its own).
 
@@ -66,6 +74,7 @@ class DPDataLoader:
         collate_fn: Optional[Callable[[Any], Any]] = None,
         seed: Optional[int] = None,
         sample_rate: Optional[float] = None,
+        population_size: Optional[int] = None,
     ) -> None:
         from .._names import renamed
 
@@ -80,6 +89,9 @@ class DPDataLoader:
         self.n = len(dataset)  # type: ignore[arg-type]
         if self.n < 1:
             raise ValueError("dataset is empty")
+        #: N: the declared (public) population size, else len(dataset) (assumed public)
+        self.population_size = self.n if population_size is None else _population(population_size)
+        self.population_declared = population_size is not None
         self.sampling_probability = float(q)
         self.steps = max(1, round(1.0 / self.sampling_probability)) if steps is None else int(steps)
         if self.steps < 1:
@@ -104,13 +116,16 @@ class DPDataLoader:
 
     @classmethod
     def from_data_loader(cls, data_loader: DataLoader, *, ledger: PrivacyLedger, **kw: Any) -> "DPDataLoader":
-        """The Poisson version of a DataLoader: q = batch_size / len(dataset) (its collate_fn kept)."""
+        """The Poisson version of a DataLoader: q = batch_size / N, N the declared
+        ``population_size`` or else len(dataset) (its collate_fn kept)."""
         ds = data_loader.dataset
         bs = data_loader.batch_size
         if bs is None:
             raise ValueError("data_loader has no batch_size; give sampling_probability to DPDataLoader directly")
         kw.setdefault("collate_fn", data_loader.collate_fn)
-        return cls(ds, min(1.0, bs / len(ds)), ledger=ledger, **kw)  # type: ignore[arg-type]
+        n = kw.get("population_size")
+        n = len(ds) if n is None else _population(n)  # type: ignore[arg-type]
+        return cls(ds, min(1.0, bs / n), ledger=ledger, **kw)
 
     @property
     def sample_rate(self) -> float:
@@ -119,8 +134,9 @@ class DPDataLoader:
 
     @property
     def expected_batch_size(self) -> float:
-        """q·n: the denominator of the fixed-denominator average (McMahan et al. 2018, §3)."""
-        return self.sampling_probability * self.n
+        """q·N: the denominator of the fixed-denominator average (McMahan et al. 2018, §3), N the
+        population size (declared, or len(dataset))."""
+        return self.sampling_probability * self.population_size
 
     def __len__(self) -> int:
         return self.steps
@@ -139,9 +155,7 @@ class DPDataLoader:
             t = torch.from_numpy(idx)
             return tuple(x[t] for x in self.dataset.tensors)
         if len(idx) == 0:
-            # an empty batch with the right trailing shapes: collate one record, keep zero rows
-            one = self.collate_fn([self.dataset[0]])
-            return _take_none(one)
+            return empty_batch(self.collate_fn, self.dataset[0])
         return self.collate_fn([self.dataset[int(i)] for i in idx])
 
     def _sample(self) -> np.ndarray:
@@ -150,13 +164,15 @@ class DPDataLoader:
         if w == 1:
             seed = derive_seed(self.seed, self._draws)
             self._draws += 1
-            return poisson_sample(self.n, self.sampling_probability, seed=seed, ledger=self.ledger)
+            idx = poisson_sample(self.n, self.sampling_probability, seed=seed)
+            self.ledger.record_sample(self.population_size, self.sampling_probability, "poisson", seeded=seed is not None)
+            return idx
         seed = derive_seed(self.seed, self._draws, r)  # a test seed: still one stream per rank
         self._draws += 1
         shard = max(0, (self.n - r + w - 1) // w)  # records r, r + w, r + 2w, ...
         local = poisson_sample(shard, self.sampling_probability, seed=seed)
         # Every rank records the whole sample (N, q); only rank 0's ledger is a file.
-        self.ledger.record_sample(self.n, self.sampling_probability, "poisson", seeded=seed is not None)
+        self.ledger.record_sample(self.population_size, self.sampling_probability, "poisson", seeded=seed is not None)
         return r + w * local
 
     def __iter__(self) -> Iterator[Any]:
@@ -184,7 +200,7 @@ class DPDataLoader:
             "pass_position": int(self._pass_done if self._pass_done < self.steps else 0),
             "steps": int(self.steps),
             "sampling_probability": float(self.sampling_probability),
-            "population_size": int(self.n),
+            "population_size": int(self.population_size),
             "logical_batch_complete": bool(self.logical_batch_complete),
         }
 
@@ -207,10 +223,10 @@ class DPDataLoader:
                 "this DPDataLoader is in the middle of a logical batch (micro-batches); restore a checkpoint "
                 "before iterating, or at a release boundary"
             )
-        if int(state["population_size"]) != self.n or float(state["sampling_probability"]) != self.sampling_probability:
+        if int(state["population_size"]) != self.population_size or float(state["sampling_probability"]) != self.sampling_probability:
             raise ValueError(
                 f"the DPDataLoader state is for n={state['population_size']}, q={state['sampling_probability']}; "
-                f"this loader has n={self.n}, q={self.sampling_probability}"
+                f"this loader has n={self.population_size}, q={self.sampling_probability}"
             )
         if int(state["pass_position"]) > self.steps:
             raise ValueError(f"pass_position {state['pass_position']} exceeds this loader's {self.steps} steps per pass")
@@ -225,6 +241,12 @@ class DPDataLoader:
         self._pass_done = int(state["pass_position"])
         self._resume_at = self._pass_done
         self.logical_batch_complete = True
+
+
+def _population(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or int(n) < 1:
+        raise ValueError(f"population_size must be an int >= 1, got {n!r}")
+    return int(n)
 
 
 def physical_batches(loader: Any, idx: np.ndarray) -> Iterator[Any]:
@@ -248,9 +270,51 @@ def physical_batches(loader: Any, idx: np.ndarray) -> Iterator[Any]:
     loader.logical_batch_complete = True
 
 
+def empty_batch(collate_fn: Callable[[Any], Any], record: Any) -> Any:
+    """A batch of no record (an empty Poisson sample) shaped as ``collate_fn``'s batches, so
+    that the training loop runs its forward and backward passes on it unchanged: the collation
+    of one record and of two copies of it are compared, and every part that grows with the
+    records is cut to none (a tensor along the dim that grows, with its other dims kept; a list
+    or tuple of per-record values such as the strings that ``default_collate`` leaves as they
+    are). Parts that do not grow (batch-level values) are kept. A collate function that fails on
+    two records gets the cut of :func:`_take_none` (every tensor's dim 0)."""
+    one = collate_fn([record])
+    try:
+        two = collate_fn([record, record])
+        return _cut_records(one, two)
+    except Exception:
+        return _take_none(one)
+
+
+def _cut_records(one: Any, two: Any) -> Any:
+    if isinstance(one, torch.Tensor):
+        if not isinstance(two, torch.Tensor) or two.dim() != one.dim():
+            raise ValueError("the two collations differ in structure")
+        grows = [d for d in range(one.dim()) if one.shape[d] != two.shape[d]]
+        return one.narrow(grows[0], 0, 0) if grows else one
+    if isinstance(one, Mapping):
+        if not isinstance(two, Mapping) or set(one) != set(two):
+            raise ValueError("the two collations differ in structure")
+        out = {k: _cut_records(v, two[k]) for k, v in one.items()}
+        try:
+            return type(one)(out)  # type: ignore[call-arg]  # (a Hugging Face BatchEncoding stays one)
+        except Exception:
+            return out
+    if isinstance(one, (list, tuple)):
+        if not isinstance(two, (list, tuple)):
+            raise ValueError("the two collations differ in structure")
+        if len(two) != len(one):  # one value per record (strings left as a list by default_collate)
+            return type(one)() if type(one) in (list, tuple) else []
+        items = [_cut_records(a, b) for a, b in zip(one, two)]
+        if hasattr(one, "_fields"):  # a namedtuple
+            return type(one)(*items)
+        return type(one)(items)
+    return one
+
+
 def _take_none(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch[:0]
+        return batch[:0] if batch.dim() else batch
     if isinstance(batch, Mapping):
         return {k: _take_none(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

@@ -34,7 +34,7 @@ from ._amp import work_dtype
 from ._contrib import SHARED, Contribution, gather, param_sq_norms, row_sq, shared_factors
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
-__all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm"]
+__all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm", "MIN_FACTOR", "ON_NONFINITE"]
 
 _U64 = 2.0**-53
 _row_sq = row_sq  # used by the optimizer and tests
@@ -56,21 +56,60 @@ def clip_margin(dim: int, dtype: torch.dtype) -> float:
     return 2.0 * ((dim + 32.0) * _U64) + 4.0 * _roundoff(dtype)
 
 
-def clip_factors(sq_norms: torch.Tensor, clip: float, margin: float) -> torch.Tensor:
+#: Clip factors below this are 0 (see :func:`clip_factors`).
+MIN_FACTOR = 2.0**-100
+
+#: What happens to a record whose per-record gradient is not finite (``on_nonfinite=``).
+ON_NONFINITE = ("zero", "raise")
+
+
+def check_on_nonfinite(value: Any) -> str:
+    if value not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {value!r}")
+    return str(value)
+
+
+def nonfinite_error(i: int, loss_scale: float = 1.0) -> ValueError:
+    """The ``on_nonfinite="raise"`` error naming record ``i``."""
+    why = (
+        f" (the loss was scaled by {loss_scale:g} for the GradScaler: its scaled gradient may have overflowed "
+        "float16)" if loss_scale != 1.0 else ""
+    )
+    return ValueError(
+        f"record {i} of the batch has a non-finite (NaN or infinite) per-record gradient{why}; nothing was "
+        "released (on_nonfinite='raise': a debugging aid whose outcome depends on the data, not DP; the default "
+        "on_nonfinite='zero' gives such a record a zero contribution and releases the step)"
+    )
+
+
+def clip_factors(
+    sq_norms: torch.Tensor, clip: float, margin: float, *, on_nonfinite: str = "zero", min_factor: float = MIN_FACTOR
+) -> torch.Tensor:
     """min(1, C/(‖x_i‖(1+margin))) per record, float64: a clipped record's norm stays ≤ C.
 
-    ``sq_norms`` are upper bounds of the squared norms (float64, shape (B,)). Raises
-    ``ValueError`` naming the first record whose norm is NaN or infinite (the core's rule)."""
+    ``sq_norms`` are upper bounds of the squared norms (float64, shape (B,)).
+
+    * A record whose norm is NaN or infinite gets factor 0 (``on_nonfinite="zero"``, the default;
+      its stored factors must be zeroed too, as :meth:`PerRecordGradients.clipped_sums` does,
+      since 0·NaN is NaN), or raises ``ValueError`` naming the first such record
+      (``on_nonfinite="raise"``, the core's rule: whether the step fails then depends on one
+      record, so it is a debugging aid, not DP).
+    * A factor below ``min_factor`` (default 2⁻¹⁰⁰) is 0: the clipped sums apply it in float32,
+      where a factor scaled below float32's normal range (2⁻¹²⁶) would be rounded to a subnormal
+      with a relative error far beyond the margin, and the record's contribution could exceed C.
+      A record whose norm is above 2¹⁰⁰·C adds nothing instead, which is within the sensitivity
+      (its contribution is 0 ≤ C) and depends on that record alone.
+    """
     norms = torch.sqrt(sq_norms)
     bad = ~torch.isfinite(norms)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"record {i} of the batch has a non-finite (NaN or infinite) per-record gradient; "
-            "nothing was released"
-        )
+    if on_nonfinite == "raise":
+        if bool(bad.any()):
+            raise nonfinite_error(int(torch.nonzero(bad)[0, 0]))
+    elif on_nonfinite != "zero":
+        check_on_nonfinite(on_nonfinite)
     inflated = norms * (1.0 + margin)
-    return torch.where(inflated > clip, clip / inflated, torch.ones_like(inflated))
+    c = torch.where(inflated > clip, clip / inflated, torch.ones_like(inflated))
+    return c.masked_fill(bad | (c < min_factor), 0.0)
 
 
 _BATCH_MIXING = (nn.modules.batchnorm._BatchNorm,)
@@ -210,6 +249,10 @@ class PerRecordGradients:
         self._root_hook = model.register_forward_pre_hook(self._new_forward)
         self._used: List[Optional[List[Contribution]]] = []
         self._scale = 1.0
+        #: After :meth:`squared_norms`: the records (units) whose squared norm is NaN or infinite
+        #: for some parameter, (B,) bool, or None when every record's is finite.
+        self.nonfinite: Optional[torch.Tensor] = None
+        self._zeroed = False
         for r in self.rules:
             r.install()
 
@@ -250,13 +293,18 @@ class PerRecordGradients:
         self._used = []
         self.passes = set()
         self.batch_hint = 0
+        self.nonfinite = None
+        self._zeroed = False
 
     @torch.no_grad()
     def squared_norms(self) -> Tuple[int, List[Optional[torch.Tensor]]]:
         """(B, [per-parameter squared norms (B,) float64, or None for a parameter that no
-        layer used]); B counts microbatches when ``microbatch_size`` is set."""
+        layer used]); B counts microbatches when ``microbatch_size`` is set. Sets
+        :attr:`nonfinite`: the records whose norm is NaN or infinite for some parameter (their
+        stored factors are zeroed by :meth:`zero_records`, at the latest by :meth:`clipped_sums`)."""
         contribs = [(r, c) for r in self.rules for c in r.contributions]
         n = len(self.params)
+        self.nonfinite, self._zeroed = None, False
         if not contribs:
             self._used = [None] * n
             return 0, [None] * n
@@ -315,7 +363,29 @@ class PerRecordGradients:
             sq, used = param_sq_norms(mine, units, cache)
             out.append(sq * s2 if s2 != 1.0 else sq)
             self._used.append(used)
+        bad: Optional[torch.Tensor] = None
+        for part in out:
+            if part is not None:
+                nb = ~torch.isfinite(part)
+                bad = nb if bad is None else bad | nb.to(bad.device)
+        self.nonfinite = bad if bad is not None and bool(bad.any()) else None
         return units, out
+
+    @torch.no_grad()
+    def zero_records(self, mask: Optional[torch.Tensor] = None) -> None:
+        """Gives the records (units) where ``mask`` (B,) holds (default: :attr:`nonfinite`) a
+        zero gradient in every parameter: the rows of every factor held for the clipped sums
+        are set to 0, out of place (:meth:`Contribution.zero_records`), shared and regrouped
+        (micro-batched) factors included. Call after :meth:`squared_norms`."""
+        if mask is None:
+            mask = self.nonfinite
+            if mask is None or self._zeroed:
+                return
+            self._zeroed = True
+        memo: Dict[int, Any] = {}
+        for used in self._used:
+            for u in used or ():
+                u.zero_records(mask, memo)
 
     @torch.no_grad()
     def clipped_sums(
@@ -327,7 +397,8 @@ class PerRecordGradients:
         clear: bool = True,
     ) -> List[Optional[torch.Tensor]]:
         """Σ_i c_i·g_i per parameter (on its device, in float32 or wider: :func:`work_dtype`);
-        None where no record.
+        None where no record. The records of :attr:`nonfinite` add exactly 0, whatever their
+        factor (:meth:`zero_records`).
 
         Call after :meth:`squared_norms`. With ``into``, parameter k's sum is added in place
         into ``into[k]`` when that is a tensor (and that tensor is returned): a linear use's
@@ -340,6 +411,8 @@ class PerRecordGradients:
         is ever held (call :meth:`clear` after the last)."""
         into = [None] * len(factors) if into is None else into
         out: List[Optional[torch.Tensor]] = []
+        # a record whose norm was not finite adds exactly 0 (a zero factor times NaN is NaN)
+        self.zero_records()
         # scaled copies of factors that several uses share (only those: see _contrib.SHARED)
         cache: Dict[Any, Any] = {SHARED: shared_factors([u for used in self._used if used for u in used])}
         try:

@@ -28,15 +28,15 @@ from ..queries import DPQuery, MicrobatchQuery
 from ._clip import MF, QueryGroups, TrainableWatch, build_query, check_arguments
 from ._combinations import Setup, check_combination
 from ._distributed import current_communicator, is_sharded, resolve_ledger, unwrap_ddp
-from ._engine import PerRecordGradients
+from ._engine import PerRecordGradients, check_on_nonfinite
 from ._loader import LoaderView
 from ._mf import MFNoise, PlannedStepsWarning
 from ._noise import DiscreteGaussianNoise, GaussianNoise, NoiseSource, NoiseSources
 from ._parallel import DataParallel, Sharded
-from ._scaler import GradScaling, Overflow, OverflowSkipWarning, check_grad_scaler
+from ._scaler import GradScalerGrowthWarning, GradScaling, OverflowSkipWarning, check_grad_scaler, warn_if_growing
 from ._transport import Batch, Recorder, SingleProcess, Transport
 
-__all__ = ["DPOptimizer", "OverflowSkipWarning", "PlannedStepsWarning"]
+__all__ = ["DPOptimizer", "GradScalerGrowthWarning", "OverflowSkipWarning", "PlannedStepsWarning"]
 
 
 def make_transport(
@@ -84,6 +84,13 @@ class DPOptimizer(torch.optim.Optimizer):
     * ``data_loader``: a :class:`DPDataLoader`; with micro-batches, :meth:`step` accumulates and
       releases only when its logical batch is complete (virtual batches).
     * ``grad_sample_mode``: ``"auto"`` (factored fast path for Linear/Embedding) or ``"generic"``.
+    * ``on_nonfinite``: what a record whose per-record gradient is NaN or infinite does.
+      ``"zero"`` (the default, DP): it contributes exactly zero (factor 0 in every clipping
+      group, its stored gradient factors zeroed), counts as above any clip for adaptive
+      clipping, and the step releases as usual: nothing is raised and nothing about it is
+      released, so no control flow depends on one record. ``"raise"``: ``ValueError`` naming
+      the first such record, nothing released: a debugging aid whose outcome depends on the
+      data (not DP).
     * ``seed``: tests only (the noise becomes predictable: no privacy).
 
     Call ``loss.backward()`` then :meth:`step` for every (micro-)batch; an empty Poisson batch
@@ -137,6 +144,7 @@ class DPOptimizer(torch.optim.Optimizer):
         data_loader: Any = None,
         grad_scaler: Any = None,
         seed: Optional[int] = None,
+        on_nonfinite: str = "zero",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -146,6 +154,7 @@ class DPOptimizer(torch.optim.Optimizer):
             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
             query=query, clipping=clipping, joint_scales=joint_scales, mechanism=mechanism, granularity=granularity,
         )
+        self.on_nonfinite = check_on_nonfinite(on_nonfinite)
         if grad_scaler is not None:
             check_grad_scaler(grad_scaler)
         loader = LoaderView(data_loader)
@@ -201,6 +210,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._noise = make_noise(self._queries, self._params, seed, self.engine, self._transport)
         self._transport.noise = self._noise
         self._scaler = GradScaling(grad_scaler)
+        if grad_scaler is not None:
+            warn_if_growing(grad_scaler, stacklevel=2)
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
@@ -258,7 +269,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped because the GradScaler found an overflow (nothing released or recorded)."""
+        """Steps skipped after a GradScaler overflow: always 0 in a new run (no step is skipped;
+        an overflowed record contributes zero instead). Kept readable for checkpoints of older
+        versions, which counted the steps they skipped (restored as they were saved)."""
         return self._scaler.skipped_steps
 
     @skipped_steps.setter
@@ -297,7 +310,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def checkpoint_state(self) -> Dict[str, Any]:
         """The stages' DP state that :mod:`dpcore.torch._checkpoint` stores: release count, samples
-        drawn at the last release, steps a GradScaler skipped, whether no record is held, the
+        drawn at the last release, steps a GradScaler skipped (0 since no step is skipped), whether no record is held, the
         parameters' names and shapes, each query group's query, members and global state."""
         return {
             "releases": self._releases,
@@ -360,16 +373,23 @@ class DPOptimizer(torch.optim.Optimizer):
             scaler.update()
 
         The per-record gradients are captured scaled by the scaler's scale S and divided by S
-        before their norms are taken, so the clip sees unscaled gradients. When a scaled
-        per-record gradient overflowed (inf or NaN), the step is skipped: nothing is released,
-        nothing is recorded in the ledger, no update is applied, an :class:`OverflowSkipWarning`
-        says so, :attr:`skipped_steps` counts it, and the scaler is told so that ``update()``
-        lowers its scale. With micro-batches, an overflow in any of them skips the whole
-        logical batch. bfloat16 autocast needs no scaler."""
+        before their norms are taken, so the clip sees unscaled gradients. No step is skipped
+        and the scale never backs off because of the data: a record whose scaled per-record
+        gradient overflowed (inf or NaN) is a non-finite record (see ``on_nonfinite``: by
+        default it contributes zero, and the step releases as usual), and the scaler is always
+        told that it found no overflow, so that its scale follows only its own growth schedule
+        (×``growth_factor`` every ``growth_interval`` calls of ``update()``; with micro-batches
+        ``update()`` runs once per physical batch). Both a skip and a backoff would depend on
+        one record's gradient and are not covered by the noise. Use a fixed scale,
+        ``GradScaler(init_scale=S, growth_interval=2**31 - 1)`` (torch refuses
+        ``growth_factor=1.0``), with S small enough that no ordinary
+        record overflows (a scaler that grows gets a :class:`GradScalerGrowthWarning`: it would
+        end up zeroing every record). bfloat16 autocast needs no scaler."""
         check_grad_scaler(grad_scaler)
         check_combination(self._setup.with_grad_scaler())
         self._setup = self._setup.with_grad_scaler()
         self._scaler.grad_scaler = grad_scaler
+        warn_if_growing(grad_scaler, stacklevel=2)
 
     # -- the DP step ------------------------------------------------------------------
 
@@ -381,7 +401,7 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._watch.check(self.engine)
-        self._scaler.sync(self.engine, getattr(self, "grad_scale", None))
+        self._scaler.sync(self, self.engine, getattr(self, "grad_scale", None))
         loader = LoaderView(self.data_loader)
         releasing = loader.logical_batch_complete
         drawn = loader.samples_drawn
@@ -393,18 +413,12 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         if releasing:
             self._noise.before_release(self._releases, drawn, loader)
-        try:  # clip
+        try:  # clip (a non-finite record is zeroed here, or raises with on_nonfinite="raise")
             self._transport.check_captured()
-            b, factors = self._queries.clip_factors(self.engine, self._scaler.active)
-        except Overflow:
-            return self._overflow(releasing, drawn, loss)
+            b, factors = self._queries.clip_factors(self.engine, self.on_nonfinite)
         except BaseException as e:
             self._transport.clip_failed(self._releases, e, releasing)
             raise
-        if self._scaler.overflowed:  # an earlier micro-batch of this logical batch overflowed
-            self.engine.clear()
-            return self._overflow(releasing, drawn, loss)
-        self._scaler.tell(self, False)
         if not releasing:
             self._transport.hold(self._releases, b, factors)
             self.last_step_released = False
@@ -426,22 +440,16 @@ class DPOptimizer(torch.optim.Optimizer):
         Hugging Face Trainer's ``gradient_accumulation_steps``), where :meth:`step` is called
         once per logical batch. Call it after every backward pass but the logical batch's last
         (calling it after the last too is fine: :meth:`step` then releases what is held).
-        A non-finite record raises here, and the records held so far are dropped."""
+        A non-finite record contributes zero (``on_nonfinite="zero"``); with
+        ``on_nonfinite="raise"`` it raises here, and the records held so far are dropped."""
         check_combination(self._setup, operation="accumulate")
         self._watch.check(self.engine)
-        self._scaler.sync(self.engine, getattr(self, "grad_scale", None))
+        self._scaler.sync(self, self.engine, getattr(self, "grad_scale", None))
         try:
-            b, factors = self._queries.clip_factors(self.engine, self._scaler.active)
-        except Overflow:
-            self._overflow(False, None, None)
-            return
+            b, factors = self._queries.clip_factors(self.engine, self.on_nonfinite)
         except BaseException:
             self._batch.discard()
             raise
-        if self._scaler.overflowed:
-            self.engine.clear()
-            return
-        self._scaler.tell(self, False)
         self._transport.hold(self._releases, b, factors)
         self.last_step_released = False
 
@@ -451,15 +459,4 @@ class DPOptimizer(torch.optim.Optimizer):
         pass, with nothing released or recorded: for a caller whose micro-batch failed
         part-way through a logical batch. The next release then holds only later records."""
         self._batch.discard()
-        self._scaler.overflowed = False
         self._batch.clear_grads()
-
-    def _overflow(self, releasing: bool, drawn: Optional[int], loss: Any) -> Any:
-        """A GradScaler overflow: the logical batch dropped; at its end, the release skipped."""
-        self._scaler.tell(self, True)
-        self.discard()
-        self.last_step_released = False
-        if releasing and drawn is not None:
-            self._drawn_at_release = drawn
-        self._scaler.skip(releasing, self.engine.loss_scale, stacklevel=3)
-        return loss

@@ -19,7 +19,8 @@ import torch
 from ._amp import work_dtype
 from ._distributed import DistributedError, ShardLayout, flat_views
 from ._loader import LoaderView
-from ._transport import Batch, Recorder, Transport
+from .. import _trace
+from ._transport import Batch, Recorder, Transport, trace_presums, trace_release
 
 __all__ = ["DataParallel", "Sharded"]
 
@@ -96,6 +97,8 @@ class DataParallel(Transport):
             self.batch.discard()
             raise
         self._record(step)
+        if _trace.active():  # a grey-box neighbour run releases the first run's values
+            _trace.output_tensors(f"torch.{type(self).__name__}", self.batch.acc)
 
     def _reduce(
         self, step: int, b: int, factors: List[Optional[torch.Tensor]], failed: Optional[BaseException], local: bool
@@ -111,6 +114,10 @@ class DataParallel(Transport):
                 if acc is not None:
                     views[k].add_(acc.to(device=views[k].device, dtype=views[k].dtype))
             batch.acc = list(views)
+            if _trace.active():  # the grey-box trace: every rank's pre-noise sums, summed (trace only)
+                pres = trace_presums(batch, b, factors)
+                comm.sum_(pres, f"step {step}: all-reduce of the traced pre-noise sums")
+                trace_release(f"torch.{type(self).__name__}", self.queries, pres)
             if comm.is_root:
                 self.noise.before_sums(step, batch)  # the release's noise, once, from rank 0's generator
             batch.accumulate(b, factors)  # in place into the views
@@ -180,9 +187,12 @@ class Sharded(DataParallel):
         # first micro-batch (None: not noised yet).
         self._shard_noise: Optional[List[List[Optional[float]]]] = None
         batch.on_discard.append(self._forget_noise)
+        #: The grey-box trace only: this rank's full-shape pre-noise sums of the logical batch.
+        self._trace_sums: Optional[List[torch.Tensor]] = None
 
     def _forget_noise(self) -> None:
         self._shard_noise = None
+        self._trace_sums = None
 
     @property
     def noise_shapes(self) -> Optional[Sequence[Tuple[int, ...]]]:
@@ -223,6 +233,12 @@ class Sharded(DataParallel):
                 batch.discard()
                 return
             _raise_failures(step, failures)
+            if _trace.active():
+                if self._trace_sums is None:
+                    self._trace_sums = [
+                        torch.zeros(lay.shape, dtype=torch.float64, device=p.device) for lay, p in zip(self.layouts, self.params)
+                    ]
+                self._trace_add(b, factors)
             if self._shard_noise is None:
                 sds = self.noise.gaussian.stddevs()
                 self._scatter_sums(step, b, factors, sds)
@@ -250,6 +266,11 @@ class Sharded(DataParallel):
                 return False
             _raise_failures(step, failures)
         sds = self.noise.gaussian.stddevs()
+        tracing = _trace.active()
+        if tracing and self._trace_sums is None:
+            self._trace_sums = [torch.zeros(lay.shape, dtype=torch.float64, device=p.device) for lay, p in zip(self.layouts, self.params)]
+        if tracing:  # this micro-batch's part, before the scatter below clears the factors
+            self._trace_add(b, factors)
         if self._shard_noise is None:
             self._scatter_sums(step, b, factors, sds)
         else:
@@ -262,7 +283,18 @@ class Sharded(DataParallel):
             ]
             self._scatter_sums(step, b, factors, extra, top_up=True)
         self._shard_noise = None
+        if tracing:  # every rank's pre-noise sums, summed (trace only)
+            pres, self._trace_sums = self._trace_sums, None
+            comm.sum_(pres, f"step {step}: all-reduce of the traced pre-noise sums")
+            trace_release("torch.Sharded", self.queries, pres)
         return True
+
+    def _trace_add(self, b: int, factors: List[Optional[torch.Tensor]]) -> None:
+        """The grey-box trace only: this micro-batch's clipped sums added to :attr:`_trace_sums`."""
+        if b == 0:
+            return
+        into: List[Optional[torch.Tensor]] = list(self._trace_sums or [])
+        self.batch.engine.clipped_sums(factors, into=into, clear=False)
 
     def _scatter_sums(
         self, step: int, b: int, factors: List[Optional[torch.Tensor]], sds: Optional[List[List[Optional[float]]]],

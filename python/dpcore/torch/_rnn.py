@@ -157,7 +157,8 @@ class _RecurrentFn(torch.autograd.Function):
         xt = x.transpose(0, 1)  # (T, B, in)
         if reverse:
             xt = xt.flip(0)
-        xw = xt.matmul(w_ih.t()) if b_ih is None else torch.addmm(b_ih, xt.reshape(-1, xt.shape[2]), w_ih.t()).view(xt.shape[0], xt.shape[1], -1)
+        # (explicit sizes: an empty Poisson batch has B = 0, where a -1 could be any size)
+        xw = xt.matmul(w_ih.t()) if b_ih is None else torch.addmm(b_ih, xt.reshape(-1, xt.shape[2]), w_ih.t()).view(xt.shape[0], xt.shape[1], w_ih.shape[0])
         xw = xw.contiguous()
         fused = _fused(mode, xt.contiguous(), h0, c0, (w_ih, w_hh, b_ih, b_hh))
         hs = torch.cat([h0.unsqueeze(0), fused[0]], 0)

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from .. import _adapters
-from ._data import _take_none, physical_batches
+from ._data import empty_batch, physical_batches
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["SamplerDataLoader"]
@@ -180,7 +180,7 @@ class SamplerDataLoader:
             t = torch.from_numpy(idx)
             return tuple(x[t] for x in self.dataset.tensors)
         if len(idx) == 0:
-            return _take_none(self.collate_fn([self.dataset[0]]))
+            return empty_batch(self.collate_fn, self.dataset[0])
         return self.collate_fn([self.dataset[int(i)] for i in idx])
 
     def __iter__(self) -> Iterator[Any]:

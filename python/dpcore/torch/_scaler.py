@@ -1,10 +1,16 @@
 """Mixed precision with ``torch.amp.GradScaler``: the DPOptimizer's grad-scaler component.
 
 The per-record gradients are captured scaled by the scaler's scale S and divided by S before
-their norms are taken (the engine's ``loss_scale``), so the clip sees unscaled gradients. A step
-whose scaled per-record gradients overflowed is skipped whole: nothing released or recorded, and
-the scaler told (``found_inf``) so that ``update()`` lowers its scale. See
-:meth:`dpcore.torch.DPOptimizer.attach_grad_scaler`.
+their norms are taken (the engine's ``loss_scale``), so the clip sees unscaled gradients.
+
+No step is skipped and the scale never backs off because of the data: a record whose scaled
+per-record gradient overflowed float16 is a non-finite record like any other (its contribution
+is zero under the default ``on_nonfinite="zero"``; see
+:meth:`dpcore.torch.DPOptimizer.attach_grad_scaler`), every step releases, and the scaler is
+always told that no step found an overflow. Its scale then follows only its own growth schedule
+(×``growth_factor`` every ``growth_interval`` calls of ``update()``), which does not depend on
+the data. Skipping a step, or lowering the scale, after an overflow would both depend on one
+record's gradient, and neither is covered by the noise.
 """
 
 from __future__ import annotations
@@ -14,16 +20,26 @@ from typing import Any, Dict
 
 import torch
 
-__all__ = ["GradScaling", "Overflow", "OverflowSkipWarning"]
+__all__ = ["GradScaling", "GradScalerGrowthWarning", "OverflowSkipWarning"]
+
+#: A growth interval at least this long counts as a fixed scale (no run grows it). torch's
+#: GradScaler refuses growth_factor=1.0; growth_interval=2**31 - 1 (its int32 counter's
+#: largest) fixes the scale instead.
+_FIXED_INTERVAL = 10**9
 
 
 class OverflowSkipWarning(UserWarning):
-    """A step was skipped because the GradScaler found an overflow: nothing was released or
-    recorded (see :meth:`DPOptimizer.attach_grad_scaler`)."""
+    """Deprecated, never emitted: dpcore no longer skips a step whose scaled per-record
+    gradients overflowed (the skip depended on the data); an overflowed record contributes
+    zero instead (see :meth:`DPOptimizer.attach_grad_scaler`). Kept importable so that
+    existing warning filters still work."""
 
 
-class Overflow(Exception):
-    """Scaled per-record gradients overflowed (float16 with a GradScaler)."""
+class GradScalerGrowthWarning(UserWarning):
+    """The attached GradScaler grows its scale, and under dpcore it never backs off: records
+    whose scaled gradients overflow float16 contribute nothing. Fix the scale instead
+    (``GradScaler(init_scale=S, growth_interval=2**31 - 1)``: torch refuses
+    ``growth_factor=1.0``)."""
 
 
 def check_grad_scaler(grad_scaler: Any) -> None:
@@ -31,15 +47,36 @@ def check_grad_scaler(grad_scaler: Any) -> None:
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
 
 
+def warn_if_growing(grad_scaler: Any, stacklevel: int) -> None:
+    """Warns (:class:`GradScalerGrowthWarning`) when an enabled scaler's scale grows."""
+    try:
+        if not grad_scaler.is_enabled():
+            return
+        factor, interval = float(grad_scaler.get_growth_factor()), int(grad_scaler.get_growth_interval())
+    except (AttributeError, TypeError, ValueError):
+        return
+    if factor == 1.0 or interval >= _FIXED_INTERVAL:
+        return
+    warnings.warn(
+        f"the GradScaler grows its scale ×{factor:g} every {interval} update() calls and, under dpcore, never lowers "
+        "it (backing off after an overflow would depend on the data): once the scale is too large, records whose "
+        "scaled float16 gradients overflow contribute nothing. Prefer a fixed scale: "
+        "torch.amp.GradScaler(init_scale=S, growth_interval=2**31 - 1), with S chosen so that per-record gradients "
+        "times S stay below float16's 65504",
+        GradScalerGrowthWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 class GradScaling:
-    """The scaler an optimizer trains with (None: none), the steps it made skip, and whether the
-    logical batch being formed overflowed (its remaining micro-batches are dropped too)."""
+    """The scaler an optimizer trains with (None: none). :attr:`skipped_steps` is what a
+    checkpoint of an older version recorded (steps are never skipped now)."""
 
     def __init__(self, grad_scaler: Any = None) -> None:
         self.grad_scaler: Any = grad_scaler
-        #: Steps skipped because the GradScaler found an overflow (nothing released or recorded).
+        #: Steps an older dpcore skipped after a GradScaler overflow, as restored from its
+        #: checkpoint; 0 for a new run (no step is skipped any more).
         self.skipped_steps = 0
-        self.overflowed = False
 
     @property
     def active(self) -> bool:
@@ -47,9 +84,11 @@ class GradScaling:
         s = self.grad_scaler
         return s is not None and bool(s.is_enabled())
 
-    def sync(self, engine: Any, grad_scale: Any) -> None:
-        """The engine's ``loss_scale`` from the scaler, before the records are clipped.
-        ``grad_scale``: what ``GradScaler.step(optimizer)`` set on the optimizer (None: nothing)."""
+    def sync(self, optimizer: Any, engine: Any, grad_scale: Any) -> None:
+        """The engine's ``loss_scale`` from the scaler, before the records are clipped, and
+        the scaler told that this step found no overflow (it never does: an overflowed record
+        is zeroed, not a reason to skip). ``grad_scale``: what ``GradScaler.step(optimizer)``
+        set on the optimizer (None: nothing)."""
         if self.grad_scaler is None and grad_scale is not None:
             engine.clear()
             raise RuntimeError(
@@ -57,36 +96,22 @@ class GradScaling:
                 "grad_scaler=scaler to make_private (or call optimizer.attach_grad_scaler(scaler))"
             )
         engine.loss_scale = float(self.grad_scaler.get_scale()) if self.active else 1.0
+        self.tell(optimizer)
 
-    def tell(self, optimizer: Any, found_inf: bool) -> None:
-        """What ``GradScaler.update()`` reads: whether this step found an overflow."""
+    def tell(self, optimizer: Any) -> None:
+        """What ``GradScaler.update()`` reads: no overflow, always. The scale so follows the
+        scaler's growth schedule alone, never the data."""
         if not self.active:
             return
         s = self.grad_scaler
         dev = s._scale.device if getattr(s, "_scale", None) is not None else torch.device("cpu")
-        flag = torch.full((1,), 1.0 if found_inf else 0.0, dtype=torch.float32, device=dev)
+        flag = torch.zeros((1,), dtype=torch.float32, device=dev)
         s._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {dev: flag}
-
-    def skip(self, releasing: bool, loss_scale: float, stacklevel: int) -> bool:
-        """After an overflow (the logical batch already dropped): before its end, marks the rest
-        of the batch dropped (False); at its end counts and reports the skipped release (True)."""
-        if not releasing:
-            self.overflowed = True
-            return False
-        self.skipped_steps += 1
-        warnings.warn(
-            f"step skipped: the GradScaler's scaled per-record gradients overflowed at scale "
-            f"{loss_scale:g}; nothing was released, nothing recorded in the ledger, and no update "
-            f"applied ({self.skipped_steps} skipped so far)",
-            OverflowSkipWarning,
-            stacklevel=stacklevel + 1,
-        )
-        return True
 
     # -- checkpoints --------------------------------------------------------------------
 
     def checkpoint_state(self) -> Dict[str, int]:
-        # steps a GradScaler overflow skipped (nothing released); the scaler has its own state_dict
+        # kept for checkpoints of older versions (steps skipped after an overflow); 0 in new runs
         return {"skipped_steps": int(self.skipped_steps)}
 
     def restore_state(self, state: Dict[str, Any]) -> None:

@@ -22,10 +22,50 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import _trace
 from ..ledger import PrivacyLedger
 from ._workers import Worker
 
-__all__ = ["Batch", "Recorder", "Transport", "SingleProcess"]
+__all__ = ["Batch", "Recorder", "Transport", "SingleProcess", "trace_presums", "trace_release"]
+
+
+@torch.no_grad()
+def trace_presums(batch: "Batch", b: int, factors: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """For the grey-box trace only (:mod:`dpcore._trace`): the release's pre-noise sums, per
+    parameter in float64: the micro-batches held so far plus this one's clipped sums, formed by
+    the same engine call as the release (keeping the factors for it), before any noise."""
+    extra = batch.engine.clipped_sums(factors, clear=False) if b else [None] * len(batch.params)
+    out = []
+    for p, held, new in zip(batch.params, batch.acc, extra):
+        s = torch.zeros(tuple(p.shape), dtype=torch.float64, device=p.device)
+        for t in (held, new):
+            if t is not None:
+                s += t.double()
+        out.append(s)
+    return out
+
+
+def trace_release(site: str, queries: Any, presums: List[torch.Tensor]) -> None:
+    """The grey-box trace of a release: per query group its pre-noise sums and the sensitivity
+    its plan declares, in the released units (the Gaussian and matrix-factorization mechanisms
+    fold 1/denominator into the clip factors, so their sums are already divided)."""
+    from ._clip import DIVIDED
+
+    plans = queries.plans()
+    parts = []
+    for g, plan in zip(queries.groups, plans):
+        div = plan.mechanism in DIVIDED
+        sens = plan.l2_norm_clip * queries.factor / (plan.denominator if div else 1.0)
+        parts.append(
+            {"sums": [presums[k] for k in g.members], "sensitivity": sens, "scales": list(plan.part_scales), "divided": div}
+        )
+    _trace.release(
+        site,
+        parts,
+        denominator=plans[0].denominator if plans else None,
+        noise={"part_stddevs": [list(p.part_stddevs) for p in plans], "mechanism": [p.mechanism for p in plans]},
+        event=queries.event(),
+    )
 
 
 class Batch:
@@ -158,6 +198,9 @@ class SingleProcess(Transport):
     def release(self, step: int, b: int, factors: List[Optional[torch.Tensor]]) -> None:
         q, batch, noise = self.queries, self.batch, self.noise
         q.pending = q.noised_plans(q.norm_states(), self.seed, step)
+        if _trace.active():
+            _trace.branch("torch.step", "release", True)
+            trace_release("torch.SingleProcess", q, trace_presums(batch, b, factors))
         write = self.recorder.start(q.event())
         noise.start(step, write)
         try:
@@ -179,6 +222,8 @@ class SingleProcess(Transport):
             raise
         # Durable before the noised gradient can reach the model (McMahan et al. 2018, §6).
         write.result()
+        if _trace.active():  # a grey-box neighbour run releases the first run's values
+            _trace.output_tensors("torch.SingleProcess", batch.acc)
 
     @torch.no_grad()
     def set_grads(self) -> None:

@@ -28,7 +28,7 @@ from ..ledger import PrivacyLedger
 from .._seeds import derive_seed
 from ..mechanism import gaussian_noise
 from ..sampling import poisson_sample
-from ..torch._data import _take_none
+from ..torch._data import empty_batch
 
 __all__ = ["BatchTag", "DPRun", "TrainerBatches", "TAG"]
 
@@ -68,15 +68,20 @@ class DPRun:
         accumulation: int,
         poisson: bool,
         seed: Optional[int],
+        declared_population: Optional[int] = None,
     ) -> None:
         self.ledger: PrivacyLedger = ledger  # type: ignore[assignment]
+        #: the records of train_dataset (what the sampler draws from)
         self.n = int(population_size)
+        #: N, the public population size q and the denominator are stated for (declared with
+        #: population_size=, else len(train_dataset), assumed public)
+        self.population = self.n if declared_population is None else int(declared_population)
         self.batch_size = int(batch_size)
         self.accumulation = int(accumulation)
         self.logical_batch_size = self.batch_size * self.accumulation
         self.poisson = bool(poisson)
         self.seed = seed
-        self.sampling_probability = self.logical_batch_size / self.n
+        self.sampling_probability = self.logical_batch_size / self.population
         self.sampler = "poisson" if self.poisson else "shuffle"
         # the plan's epoch (dpcore.plan.steps_for_epochs): round(1/q) Poisson steps, ⌈n/b⌉ batches
         self.steps_per_epoch = sampler_class(self.sampler).epoch_length(min(1.0, self.sampling_probability))
@@ -126,7 +131,7 @@ class DPRun:
                     "must be called once after every gradient_accumulation_steps micro-batches)"
                 )
             if self.poisson:
-                self.ledger.record_sample(self.n, self.sampling_probability, "poisson", seeded=self.seed is not None)
+                self.ledger.record_sample(self.population, self.sampling_probability, "poisson", seeded=self.seed is not None)
             else:
                 # q = L/n for information only: a shuffled batch gets no amplification. Each batch
                 # carries its epoch (one permutation) as a round: one query per epoch under zero-out.
@@ -214,7 +219,7 @@ class TrainerBatches:
         ds = self.dataset
         if len(idx) == 0:
             # an empty micro-batch with the right keys: collate one record, keep zero rows
-            batch = _take_none(self.collate_fn([ds[0]]))
+            batch = empty_batch(self.collate_fn, ds[0])
         else:
             many = getattr(ds, "__getitems__", None)
             keys = [int(i) for i in idx]

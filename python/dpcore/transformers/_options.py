@@ -18,6 +18,9 @@ from ..sampling import registered_samplers
 
 #: The samplers the DP trainer draws its batches with (``sampler=``).
 SAMPLERS = ("poisson", "shuffle")
+#: What a record with a non-finite gradient does (``on_nonfinite=``): those of
+#: :class:`dpcore.torch.DPOptimizer` ("zero", the default, DP; "raise", a debugging aid).
+ON_NONFINITE = ("zero", "raise")
 #: The clipping modes of the DP trainer (``clipping=``): those of :class:`dpcore.torch.DPOptimizer`.
 CLIPPING = ("flat", "per_layer", "joint")
 
@@ -40,6 +43,8 @@ class _DPOptions:
     accountant: str
     ledger_ahead: str
     seed: Optional[int]
+    on_nonfinite: str = "zero"
+    population_size: Optional[int] = None
 
 
 def _dp_options(
@@ -59,6 +64,8 @@ def _dp_options(
     ledger_ahead: str = "refuse",
     seed: Optional[int] = None,
     poisson_sampling: Optional[bool] = None,
+    on_nonfinite: str = "zero",
+    population_size: Optional[int] = None,
     _stacklevel: int = 3,
 ) -> _DPOptions:
     """The checks that need neither the model nor the data, made once, before the Trainer is
@@ -130,6 +137,13 @@ def _dp_options(
         raise TypeError("per_record_loss must be a callable (model, inputs) -> (B,) tensor")
     if accountant not in ("pld", "rdp"):
         raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    if population_size is not None:
+        if isinstance(population_size, bool) or not isinstance(population_size, int) or population_size < 1:
+            raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
+        if sampler != "poisson":
+            raise ValueError("population_size= declares the public N of Poisson sampling (q = batch/N, denominator q·N)")
     if ledger_ahead not in ("refuse", "keep"):
         raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
     if ledger is not None and not isinstance(ledger, (PrivacyLedger, str, os.PathLike)):
@@ -138,5 +152,5 @@ def _dp_options(
         noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
         max_grad_norm=max_grad_norm, ledger=ledger, sampler=sampler, clipping=clipping, joint_scales=scales,
         noise_mechanism=nm, delta=delta, per_record_loss=per_record_loss, accountant=accountant,
-        ledger_ahead=ledger_ahead, seed=seed,
+        ledger_ahead=ledger_ahead, seed=seed, on_nonfinite=on_nonfinite, population_size=population_size,
     )

@@ -93,6 +93,8 @@ class DPTrainerMixin:
     :meth:`get_epsilon`."""
 
     _dp_run: Optional[DPRun] = None
+    #: What a record whose gradient is not finite does (``on_nonfinite=``, see DPOptimizer).
+    _dp_on_nonfinite: str = "zero"
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -118,7 +120,8 @@ class DPTrainerMixin:
         if n < 1:
             raise ValueError("train_dataset is empty")
         bs, ga = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
-        if bs * ga > n:
+        declared = o.population_size
+        if bs * ga > (n if declared is None else declared):
             raise ValueError(
                 f"per_device_train_batch_size × gradient_accumulation_steps = {bs * ga} exceeds the {n} records of "
                 "train_dataset: the sampling probability would exceed 1"
@@ -137,6 +140,7 @@ class DPTrainerMixin:
             accumulation=ga,
             poisson=poisson_sampling,
             seed=seed,
+            declared_population=declared,
         )
         # -- σ: given, or calibrated for the planned number of steps
         q = min(1.0, run.sampling_probability)
@@ -157,7 +161,7 @@ class DPTrainerMixin:
         run.joint_scales = o.joint_scales
         run.noise_mechanism = o.noise_mechanism
         run.planned_steps = steps
-        run.delta = float(delta if delta is not None else target_delta if target_delta is not None else 1.0 / (10.0 * n))
+        run.delta = float(delta if delta is not None else target_delta if target_delta is not None else 1.0 / (10.0 * run.population))
         run.accountant = o.accountant
         model = getattr(self, "model", None)
         if o.joint_scales is not None and model is not None:
@@ -179,6 +183,7 @@ class DPTrainerMixin:
             raise ValueError("label_smoothing_factor is not applied by the built-in per-record losses; pass per_record_loss=")
         run.loss_fn = loss_fn
         run.ledger_ahead = o.ledger_ahead
+        self._dp_on_nonfinite = o.on_nonfinite
         # -- the Trainer's own batch clipping and data skipping are off (see the module docstring)
         old = float(args.max_grad_norm or 0.0)
         if old not in (0.0, _DEFAULT_TRAINER_CLIP):
@@ -328,10 +333,13 @@ class DPTrainerMixin:
             loss_reduction="sum",
             data_loader=run,
             # fp16 on CUDA: accelerate's GradScaler. The DP optimizer divides the per-record
-            # gradients by its scale before clipping and skips (records nothing for) a step
-            # that overflowed; training_step scales the loss with it.
+            # gradients by its scale before clipping; a record whose scaled gradient overflowed
+            # contributes zero (on_nonfinite="zero"), every step releases and the scaler is told
+            # of no overflow (its scale never backs off, so accelerate never reports a skipped
+            # step); training_step scales the loss with it.
             grad_scaler=getattr(getattr(self, "accelerator", None), "scaler", None),
             seed=run.seed,
+            on_nonfinite=self._dp_on_nonfinite,
         )
         dp._dp_run = run
         dp.ledger_ahead = run.ledger_ahead  # what load_state_dict does with releases after the checkpoint
@@ -515,6 +523,14 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
     * ``per_record_loss``: ``fn(model, inputs) -> (B,)`` tensor, each record's loss; default by
       the model's class: :func:`causal_lm_per_record_loss` or
       :func:`sequence_classification_per_record_loss`.
+    * ``on_nonfinite``: ``"zero"`` (the default): a record whose gradient is NaN or infinite
+      (bad data; with ``fp16=True``, a scaled gradient that overflowed) contributes zero and the
+      step releases as usual, nothing raised or logged about it; ``"raise"``: ``ValueError``
+      naming it (a debugging aid whose outcome depends on the data, not DP).
+    * ``population_size``: N, the public number of records that q = batch/N, the denominator
+      q·N and the ledger are stated for (Poisson; default: ``len(train_dataset)``, then assumed
+      public, as the report says). Under add-or-remove adjacency the dataset's true size is
+      data (Opacus #571): declare N where it is not public.
     * ``seed``: tests only (sampling and noise become predictable: no privacy).
 
     Refused at construction: DeepSpeed, FSDP, more than one process or GPU,
@@ -540,6 +556,8 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
         ledger_ahead: str = "refuse",
         seed: Optional[int] = None,
         poisson_sampling: Optional[bool] = None,
+        on_nonfinite: str = "zero",
+        population_size: Optional[int] = None,
         **trainer_kwargs: Any,
     ) -> None:
         # checked once, before the Trainer is built
@@ -547,7 +565,8 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
             noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
             max_grad_norm=max_grad_norm, ledger=ledger, sampler=sampler, clipping=clipping, joint_scales=joint_scales,
             noise_mechanism=noise_mechanism, delta=delta, per_record_loss=per_record_loss, accountant=accountant,
-            ledger_ahead=ledger_ahead, seed=seed, poisson_sampling=poisson_sampling,
+            ledger_ahead=ledger_ahead, seed=seed, poisson_sampling=poisson_sampling, on_nonfinite=on_nonfinite,
+            population_size=population_size,
         )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._dp_setup(options)

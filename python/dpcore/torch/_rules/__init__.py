@@ -31,6 +31,7 @@ from ._attention import (  # noqa: F401
     _ParamTapFn,
 )
 from ._base import (  # noqa: F401
+    EMPTY_BATCH,
     LayerRule,
     _Flags,
     _flags,
@@ -41,6 +42,7 @@ from ._base import (  # noqa: F401
     _seq_first,
     _sl,
     _TapFn,
+    batch_records,
 )
 from ._conv import ConvRule, _ConvFn  # noqa: F401
 from ._embedding import (  # noqa: F401

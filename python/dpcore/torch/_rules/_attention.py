@@ -20,7 +20,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .._contrib import Dense
-from ._base import LayerRule
+from ._base import LayerRule, batch_records
 from ._embedding import _HostedEmbeddingRule
 
 
@@ -207,7 +207,8 @@ class RelativeBiasRule(LayerRule):
     def _compute_bias(self, query_length: int, key_length: int, device: Any = None, *rest: Any, **kw: Any) -> torch.Tensor:
         host = self.module
         cls_bias = type(host).compute_bias
-        if not self.active() or self.engine.batch_hint < 1:
+        b = batch_records(self.engine)  # (0 for an empty batch: a bias of no record)
+        if not self.active() or b is None:
             return cls_bias(host, query_length, key_length, device, *rest, **kw)
         bound = inspect.signature(cls_bias).bind(host, query_length, key_length, device, *rest, **kw)
         a = bound.arguments
@@ -221,7 +222,6 @@ class RelativeBiasRule(LayerRule):
             memory - context, bidirectional=not host.is_decoder, num_buckets=host.relative_attention_num_buckets,
             max_distance=host.relative_attention_max_distance,
         )
-        b = self.engine.batch_hint
         values = self._emb._lookup(bucket.expand((b,) + tuple(bucket.shape)))  # (B, q, k, heads)
         return values.permute([0, 3, 1, 2])  # (B, heads, q, k)
 

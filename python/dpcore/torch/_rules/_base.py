@@ -23,7 +23,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .._amp import amp_cast as _amp_cast
-from .._contrib import Contribution, Factored, RowRange
+from .._contrib import Contribution, Dense, Factored, RowRange
 
 
 class _Flags(threading.local):
@@ -31,6 +31,18 @@ class _Flags(threading.local):
 
 
 _flags = _Flags()
+
+
+#: ``engine.batch_hint`` in a forward pass whose batch has no record (an empty Poisson sample):
+#: the hint is 0 while the record count is not known yet, n ≥ 1 for n records.
+EMPTY_BATCH = -1
+
+
+def batch_records(engine: Any) -> Optional[int]:
+    """The record count of the engine's forward pass in progress (0 for an empty batch), or
+    None while no layer has seen it."""
+    h = int(engine.batch_hint)
+    return None if h == 0 else max(h, 0)
 
 
 def _graph_task() -> int:
@@ -148,8 +160,9 @@ class LayerRule:
             # (the model's own input): a later layer's input with another leading size (a
             # table looked up by shared positions) must not redefine it.
             n = a.shape[0] if (self.engine.batch_first or a.dim() < 3) else a.shape[1]
-            if n > 1:
-                self.engine.batch_hint = int(n)
+            # (one record counts too: T5's relative bias is looked up per record from it; no
+            # record at all, an empty Poisson sample, is EMPTY_BATCH, 0 meaning "not known")
+            self.engine.batch_hint = int(n) if n > 0 else EMPTY_BATCH
         return self.forward(*args, **kwargs)
 
     def clear(self) -> None:
@@ -200,6 +213,14 @@ class LayerRule:
         # Frozen tensors enter without their autograd edge; a trainable one keeps the output in
         # the graph even when x does not require grad (a first layer).
         return _LinearFn.apply(x, weight if wp is not None else weight.detach(), _frozen(bias, bp), wrows, brows, sink)
+
+    def add_empty(self, *params: Optional[nn.Parameter]) -> None:
+        """An empty batch (a Poisson sample of no record): each trainable parameter of
+        ``params`` (None: frozen, skipped) gets a contribution of zero records, so that the
+        engine sees this layer's batch of 0 and the step releases pure noise."""
+        for p in params:
+            if p is not None:
+                self.add(Dense(p, torch.zeros((0,) + tuple(p.shape), dtype=p.dtype, device=p.device)))
 
     def tap(self, out: torch.Tensor, sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """``out`` unchanged, with ``sink(∂L/∂out)`` called in the backward pass."""

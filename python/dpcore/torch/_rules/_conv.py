@@ -88,6 +88,9 @@ class ConvRule(LayerRule):
     def _capture(self, x: torch.Tensor, g: torch.Tensor, wp: Any, bp: Any, padding: List[int]) -> None:
         m = self.module
         b = x.shape[0]
+        if b == 0:  # an empty Poisson batch: no record (the reshapes below need one to infer a size)
+            self.add_empty(wp, bp)
+            return
         if bp is not None:
             self.add(Dense(bp, g.reshape(b, g.shape[1], -1).sum(2)))
         if wp is None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Tuple
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .._contrib import Rows
-from ._base import LayerRule, _seq_first
+from ._base import LayerRule, _seq_first, batch_records
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -76,13 +77,13 @@ class EmbeddingRule(LayerRule):
         over the records and its gradient summed over them, so each record gets its own copy
         (the output is the same). An index whose leading dim is neither 1 nor the batch's record
         count has no record axis: refused, naming the parameter."""
-        hint = self.engine.batch_hint
-        if self.engine.batch_first and idx.dim() >= 2 and idx.shape[0] == 1 and hint > 1:
+        hint = batch_records(self.engine)  # (0 for an empty batch: a shared index is looked up for no record)
+        if self.engine.batch_first and idx.dim() >= 2 and idx.shape[0] == 1 and hint is not None and hint != 1:
             idx = idx.expand((hint,) + tuple(idx.shape[1:]))
         seq = _seq_first(self, idx, 2)
         lead = idx.shape[1] if seq else (idx.shape[0] if idx.dim() else 1)
         # (sequence-first models: the hint may be a length, so there the check is not made)
-        if self.engine.batch_first and hint > 0 and idx.dim() >= 2 and lead != hint:
+        if self.engine.batch_first and hint is not None and idx.dim() >= 2 and lead != hint:
             raise ValueError(
                 f"layer {self.name!r}: its lookup index has shape {tuple(idx.shape)}, with no axis of the batch's "
                 f"{hint} records: its output is shared by the records, and its gradient arrives summed over them, so no "
@@ -100,7 +101,7 @@ class EmbeddingRule(LayerRule):
         def sink(i: torch.Tensor, g: torch.Tensor) -> None:
             if m.padding_idx is not None:  # torch gives the padding row no gradient
                 g = g * (i != m.padding_idx).unsqueeze(-1).to(g.dtype)
-            self.add(Rows(w, i.reshape(i.shape[0], -1) if i.dim() else i.reshape(1, 1), g))
+            self.add(Rows(w, i.reshape(i.shape[0], math.prod(i.shape[1:])) if i.dim() else i.reshape(1, 1), g))
 
         # The module's weight as it is now: under FSDP2 the gathered one (``w`` is the shard).
         return _EmbeddingFn.apply(idx, m.weight, m, sink)

@@ -122,8 +122,11 @@ class FunctionRule(GenericRule):
     fn: Callable[..., Dict[str, torch.Tensor]]
 
     def _per_record(self, args: Any, kwargs: Any, g: torch.Tensor, seq_first: bool = False) -> None:
-        got = type(self).fn(self.module, args, g)
         b = g.shape[0]
+        if b == 0:  # an empty Poisson batch: no record to ask the user's rule about
+            self.add_empty(*self.params.values())
+            return
+        got = type(self).fn(self.module, args, g)
         for n, p in self.params.items():
             if n not in got:
                 raise ValueError(f"rule for {type(self.module).__name__} returned no per-record gradient for {n!r}")
