@@ -166,3 +166,25 @@ def test_demo_ledger_report(tmp_path: Path) -> None:
     out = js("report", str(p), "--delta", "1e-5")
     assert out["releases"] == res["steps"] > 0 and out["noise_multiplier"] == [3.0]
     assert out["epsilon"] == pytest.approx(res["epsilon"], rel=1e-12)
+
+
+def test_audit_exit_codes_gate_a_ci_job(capsys) -> None:
+    # passes: exit 0, the three analyses printed beside the claim
+    ok = run("audit", "-z", "1.898", "-q", "1", "--steps", "10", "--canaries", "20000")
+    assert ok.stdout.startswith("audit passed") and "Steinke" in ok.stdout and "f-DP" in ok.stdout
+    assert "Gaussian-DP fit" in ok.stdout and "claimed μ = 1.666" in ok.stdout
+    # 4× too little noise: the result, then exit 3 (AUDIT_FAILED), with --json too
+    bad = run("audit", "-z", "1.898", "-q", "1", "--steps", "10", "--canaries", "100000",
+              "--actual-noise-multiplier", "0.4745", "--json", check_rc=3)
+    out = json.loads(bad.stdout)
+    assert out["passed"] is False and out["exit_code"] == 3 and out["fdp_curve"] == "gaussian"
+    assert out["epsilon_lower_bound_fdp"] > out["epsilon_claimed"] == pytest.approx(8.0, abs=0.01)
+    # in process: main() raises SystemExit(3) after printing
+    from dpcore import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["audit", "-z", "3", "--canaries", "20000", "--actual-noise-multiplier", "0.75"])
+    assert e.value.code == cli.AUDIT_FAILED == 3
+    assert "audit FAILED" in capsys.readouterr().out
+    assert cli.main(["audit", "-z", "3", "--canaries", "20000"]) == 0
+    run("audit", "-z", "3", "--canaries", "5", check_rc=2)  # bad arguments keep exit code 2

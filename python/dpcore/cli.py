@@ -17,7 +17,9 @@
   report of a hyperparameter-tuning study (:class:`dpcore.study.Study`).
 * ``dpcore plot LEDGER --delta D -o eps.png``: ε against steps under PLD and RDP
   (:meth:`dpcore.PrivacyLedger.epsilon_curve`; needs ``dpcore[plot]``).
-* ``dpcore audit -z Z``: a one-run privacy audit of the mechanism (:mod:`dpcore.audit`).
+* ``dpcore audit -z Z``: a one-run privacy audit of the mechanism (:mod:`dpcore.audit`): the
+  Steinke and f-DP lower bounds on ε and the Gaussian-DP fit beside the claim; exit code 3
+  (:data:`AUDIT_FAILED`) when a lower bound exceeds the claim, so that it can gate a CI job.
 * ``dpcore demo``: DP logistic regression on the digits data.
 
 Exit codes: 0 success, 2 bad arguments (argparse's convention), 1 bad data (an unreadable or
@@ -363,6 +365,11 @@ def _cmd_plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict
     }
 
 
+#: Exit code of ``dpcore audit`` when a lower bound exceeds the claim (the audit failed); the
+#: result is printed first, as on success. 1 and 2 keep their meaning (bad data, bad arguments).
+AUDIT_FAILED = 3
+
+
 def _cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     from .audit import one_run_audit
 
@@ -378,14 +385,33 @@ def _cmd_audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dic
             progress=lambda done, total: bar.update_to(done),
         )
     out = res.to_dict()
-    verdict = "passed" if res.passed else "FAILED"
+    out["exit_code"] = 0 if res.passed else AUDIT_FAILED
+    fit = res.gdp_fit
+    if res.fdp_curve == "gaussian":
+        fdp_how = f"Gaussian curves: μ ≥ {res.mu_lower_bound:.4g}, claimed μ = {res.mu_claimed:.4g}"
+    else:
+        fdp_how = f"(ε, δ) curves; μ ≥ {res.mu_lower_bound:.4g} for μ-GDP"
+    verdict = "passed" if res.passed else "FAILED: a lower bound exceeds the claim"
     out["text"] = (
-        f"audit {verdict}: ε lower bound {res.epsilon_lower_bound:.4g} (at {res.confidence:g} confidence) vs "
-        f"claimed ε {res.epsilon_claimed:.4g} at δ = {res.delta:g}; {res.canaries} canaries, {res.steps} steps, "
+        f"audit {verdict}\n"
+        f"  claimed ε                            {res.epsilon_claimed:.4g} at δ = {res.delta:g}\n"
+        f"  lower bound, Steinke et al. 2023     ε ≥ {res.epsilon_lower_bound_steinke:.4g}\n"
+        f"  lower bound, f-DP (Mahloujifar+ 25)  ε ≥ {res.epsilon_lower_bound_fdp:.4g} ({fdp_how})\n"
+        f"  Gaussian-DP fit (estimate, no bound) ε ≈ {fit['epsilon']:.4g} (μ ≈ {fit['mu']:.3g}, "
+        f"[{fit['mu_interval'][0]:.3g}, {fit['mu_interval'][1]:.3g}]; AUROC {fit['auroc']:.3f}, "
+        f"TPR {fit['tpr_at_fpr']['0.01']:.3f} at FPR 1%, {fit['tpr_at_fpr']['0.001']:.3f} at 0.1%)\n"
+        f"  bounds at {res.confidence:g} confidence; {res.canaries} canaries, {res.steps} steps, "
         f"q = {res.sampling_probability:g}, σ = {res.noise_multiplier:g}"
         + ("" if res.actual_noise_multiplier == res.noise_multiplier else f" (run with σ = {res.actual_noise_multiplier:g})")
         + f", {res.seconds:.1f} s"
     )
+    if not res.passed:  # print as main() would, then exit non-zero
+        if args.json:
+            print(json.dumps(_finite({k: v for k, v in out.items() if k != "text"}), indent=1, allow_nan=False))
+        else:
+            print(out["text"])
+        sys.stdout.flush()
+        raise SystemExit(AUDIT_FAILED)
     return out
 
 
@@ -535,11 +561,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--points", type=_count("--points", 2), default=200)
     common(pl)
 
-    au = sub.add_parser("audit", help="one-run privacy audit of the mechanism (Steinke, Nasr & Jagielski 2023)")
+    au = sub.add_parser(
+        "audit", help="one-run privacy audit of the mechanism (Steinke, Nasr & Jagielski 2023; f-DP analysis of "
+        "Mahloujifar, Melis & Chaudhuri 2025); exit code 3 when a lower bound exceeds the claim",
+        epilog=f"Exit codes: 0 the audit passed, {AUDIT_FAILED} it failed (a lower bound on ε exceeds the claimed ε; the "
+        "result is printed first), 2 bad arguments, 1 other errors.")
     au.add_argument("-z", "--noise-multiplier", dest="z", type=_Z, required=True)
-    au.add_argument("-q", "--sampling-probability", dest="q", type=_Q, default=0.5)
+    au.add_argument("-q", "--sampling-probability", dest="q", type=_Q, default=0.5,
+                    help="Poisson sampling rate of the canaries (1: every step; the claim is then μ-GDP)")
     au.add_argument("--steps", type=_count("--steps"), default=10)
-    au.add_argument("--canaries", type=_count("--canaries", 10), default=20_000)
+    au.add_argument("--canaries", type=_count("--canaries", 10), default=100_000,
+                    help="white-box gradient canaries, each in with probability 1/2 (O(canaries) per step)")
     au.add_argument("--actual-noise-multiplier", type=_Z, default=None,
                     help="run the mechanism with this noise instead of the claimed one (shows the audit's power)")
     au.add_argument("--delta", type=_DELTA, default=1e-5)
