@@ -1,0 +1,1 @@
+"""Opacus's ``opacus.utils`` names that scripts import (``batch_memory_manager``)."""
