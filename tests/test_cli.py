@@ -188,3 +188,25 @@ def test_audit_exit_codes_gate_a_ci_job(capsys) -> None:
     assert "audit FAILED" in capsys.readouterr().out
     assert cli.main(["audit", "-z", "3", "--canaries", "20000"]) == 0
     run("audit", "-z", "3", "--canaries", "5", check_rc=2)  # bad arguments keep exit code 2
+
+
+def test_epsilon_sampler_all_lists_every_selectable_sampler() -> None:
+    """``--sampler all`` has a row for every sampler a run can select (random allocation
+    included, whatever --num-selected), and says why one cannot be accounted from the
+    arguments given instead of leaving it out."""
+    from dpcore.sampling import registered_samplers
+
+    out = js("epsilon", "-q", "0.01", "-z", "1", "--steps", "1000", "--delta", "1e-5", "--sampler", "all")
+    rows = {r["sampler"]: r for r in out["samplers"]}
+    selectable = registered_samplers(selectable=True)
+    assert "random_allocation" in selectable
+    assert set(selectable) <= set(rows)
+    assert [r["sampler"] for r in out["samplers"]][: len(selectable)] == list(selectable)
+    assert rows["random_allocation"]["epsilon"] == accounting.sampler_epsilon(
+        "random_allocation", 1.0, 1000, 1e-5, sampling_probability=0.01, accountant=rows["random_allocation"]["accountant"]
+    )
+    assert "--population-size" in rows["truncated_poisson"]["error"]
+    k2 = js("epsilon", "-q", "0.01", "-z", "1", "--steps", "1000", "--delta", "1e-5", "--sampler", "all", "--num-selected", "2")
+    assert "random_allocation" in {r["sampler"] for r in k2["samplers"]}
+    text = run("epsilon", "-q", "0.01", "-z", "1", "--steps", "1000", "--delta", "1e-5", "--sampler", "all").stdout
+    assert all(name in text for name in selectable)

@@ -187,7 +187,7 @@ def test_cli_epsilon_all_samplers_side_by_side():
     out = json.loads(r.stdout)
     rows = {row["sampler"]: row for row in out["samplers"]}
     assert out["neighboring"] == "add_or_remove"  # one relation for the whole table
-    assert set(rows) == {"poisson", "truncated_poisson", "balls_in_bins", "shuffle", "sequential", "cyclic"}
+    assert set(rows) == {"poisson", "truncated_poisson", "balls_in_bins", "random_allocation", "shuffle", "sequential", "cyclic"}
     assert rows["poisson"]["epsilon"] == pytest.approx(A.epsilon(0.01, 1.0, 1000, DELTA))
     assert rows["truncated_poisson"]["epsilon"] >= rows["poisson"]["epsilon"]
     assert rows["shuffle"]["ratio_to_poisson"] > 10

@@ -218,8 +218,11 @@ def test_ledger_ahead_refused_by_default_kept_on_request(tmp_path):
     opt.ledger.close()
 
     model, opt, loader = build(path, weights=ck["model"])
-    with pytest.raises(LedgerError, match=r"1 release\(s\) more.*ledger_ahead='keep'"):
+    with pytest.raises(LedgerError, match=r"1 release\(s\) more.*ledger_ahead='keep'") as err:
         opt.load_state_dict(ck["optimizer"])
+    # a direct user of the optimizer is told its own keyword (the HF trainer names DPTrainer's)
+    assert "optimizer.load_state_dict(state, ledger_ahead='keep')" in str(err.value)
+    assert "DPTrainer" not in str(err.value)
     assert opt._releases == 0 and loader.samples_drawn == 0 and not opt.original_optimizer.state
     opt.load_state_dict(ck["optimizer"], ledger_ahead="keep")
     assert opt._releases == 2 and loader.samples_drawn == 2
@@ -460,3 +463,24 @@ def test_shuffled_loader_checkpoint(tmp_path):
             k += 1
         assert k == want
     assert opt.ledger.num_releases == 12 and loader.samples_drawn == 12
+
+
+def test_default_ledger_path_is_logged_once(tmp_path, caplog):
+    """Without ledger=, the run's ledger is a temporary file: one INFO line on the ``dpcore``
+    logger says where (and it is optimizer.ledger.path)."""
+    import logging
+
+    torch.manual_seed(0)
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="dpcore"):
+        model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(dataset(), batch_size=BS), noise_multiplier=1.0, max_grad_norm=1.0)
+    lines = [r for r in caplog.records if r.name == "dpcore" and "ledger" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert str(opt.ledger.path) in lines[0].getMessage() and "ledger=" in lines[0].getMessage()
+    opt.ledger.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dpcore"):
+        _, opt2, _ = build(tmp_path / "given.jsonl")
+    assert not [r for r in caplog.records if r.name == "dpcore" and "ledger" in r.getMessage()]
+    opt2.ledger.close()

@@ -263,8 +263,11 @@ def test_resume_continues_the_ledger_without_drawing_the_skipped_steps(tmp_path,
 
     # checkpoint-3 saw 3 releases; the ledger holds 6: refused unless ledger_ahead="keep"
     early, _ = make()
-    with pytest.raises(dpcore.ledger.LedgerError, match="3 release.*more than the checkpoint"):
+    with pytest.raises(dpcore.ledger.LedgerError, match="3 release.*more than the checkpoint") as err:
         early.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    # the hint names the keyword of the API the user called, not the optimizer's
+    assert 'DPTrainer(..., ledger_ahead="keep")' in str(err.value)
+    assert "load_state_dict" not in str(err.value) and "optimizer.ledger_ahead" not in str(err.value)
     early.ledger.close()
     assert dpcore.PrivacyLedger.load(tmp_path / "privacy_ledger.jsonl").num_releases == 6
 
@@ -298,6 +301,52 @@ def test_resume_continues_the_ledger_without_drawing_the_skipped_steps(tmp_path,
     whole.train()
     for (k, p), (_, r) in zip(model.named_parameters(), m_resumed.named_parameters()):
         assert torch.allclose(p, r, atol=1e-6), k
+
+
+def test_resumed_run_logs_the_epoch_of_a_run_never_interrupted(tmp_path):
+    """The logged epoch is global_step / steps per epoch after a resume too (the resumed loader
+    starts mid-epoch: the Trainer's own count would restart at 0)."""
+    class StopAt(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                control.should_training_stop = True
+
+    def trainer(out, callbacks=()):
+        return DPTrainer(model=gpt2(), args=targs(out, max_steps=20, save_strategy="steps", save_steps=5),
+                         train_dataset=DATA, data_collator=transformers.default_data_collator,
+                         callbacks=list(callbacks), noise_multiplier=1.0, max_grad_norm=1.0, seed=4)
+
+    def epochs(tr):
+        return {h["step"]: h["epoch"] for h in tr.state.log_history if "loss" in h}
+
+    first = trainer(tmp_path / "r", [StopAt()])
+    first.train()
+    first.ledger.close()
+    resumed = trainer(tmp_path / "r")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoint-5"))
+    resumed.ledger.close()
+    whole = trainer(tmp_path / "w")
+    whole.train()
+    whole.ledger.close()
+    spe = resumed._dp().steps_per_epoch
+    assert spe == 8  # q = 4 · 2 / 64
+    got, want = epochs(resumed), epochs(whole)  # the resumed history holds the first run's steps too
+    assert sorted(got) == list(range(1, 21)) and sorted(want) == list(range(1, 21))
+    for step, ep in got.items():
+        assert ep == pytest.approx(step / spe) and ep == pytest.approx(want[step]), step
+    assert resumed.state.epoch == pytest.approx(20 / spe)
+
+
+def test_make_private_trainer_ledger_ahead_hint_names_its_keyword(tmp_path):
+    plain = transformers.Trainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=DATA,
+                                 data_collator=transformers.default_data_collator)
+    tr = make_private_trainer(plain, noise_multiplier=1.0, max_grad_norm=1.0)
+    opt = tr.create_optimizer()
+    assert 'make_private_trainer(trainer, ..., ledger_ahead="keep")' in opt.ledger_ahead_hint
+    tr.ledger.close()
+    direct = dp_trainer(tmp_path / "d", max_steps=1)
+    assert 'DPTrainer(..., ledger_ahead="keep")' in direct.create_optimizer().ledger_ahead_hint
+    direct.ledger.close()
 
 
 def test_resume_refuses_a_ledger_behind_the_checkpoint(tmp_path):

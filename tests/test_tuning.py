@@ -515,13 +515,16 @@ def test_study_headline_rules(tmp_path):
     rep = Study.load(sf).report(1e-5)
     assert rep.epsilon_papernot_steinke is None and rep.epsilon == rep.epsilon_composition
     assert rep.epsilon_basis == "composition" and rep.distribution is None
-    # One run made, a large declared mean: (b) is smaller, stated beside (a), not chosen.
+    # One run made, a large declared mean: (b) is smaller, stated beside (a) as what holds whatever
+    # is disclosed, not chosen: which one is smaller depends on K, and (a) needs K secret.
     d1 = tmp_path / "one"
     d1.mkdir()
     sf1 = _study(d1, mean=50.0, shape=1.0, runs=((0.02, 1.2),))
     rep = Study.load(sf1).report(1e-5)
     assert rep.epsilon_composition < rep.epsilon_papernot_steinke == rep.epsilon
-    assert any("not combined by taking the smaller" in w for w in rep.warnings)
+    assert any("not combined by taking the smaller" in w and "whatever is disclosed" in w for w in rep.warnings)
+    head = next(line for line in rep.to_text().splitlines() if line.startswith("| Tuning-inclusive"))
+    assert "(a) Papernot & Steinke" in head and "secret" in head
     # The number of runs made is not the K drawn: (a) is withheld.
     data = json.loads(sf1.read_text())
     data["num_runs"] = 4
@@ -694,3 +697,52 @@ def test_cli_study_errors(tmp_path):
         assert len(err) == 1 and want in err[0], (name, res.stderr)
     res = cli("report", "--study", str(tmp_path / "none"), "--delta", "1e-5", rc=1)
     assert "no such" in res.stderr
+
+
+def test_study_add_run_and_select_update_the_study_in_place(tmp_path):
+    """The documented loop (docs/accounting.md) ignores what add_run and select return: the
+    study object and its study.json must still hold every run and the selected one."""
+    d = tmp_path / "study"
+    study = Study.create(d, mean=3.0, shape=1.0, seed=5)
+    k = study.num_runs_drawn
+    assert k >= 1
+    for i in range(k):
+        p = d / f"run-{i}.jsonl"
+        _run(p, 0.02, 1.0 + 0.1 * i, steps=5)
+        assert study.add_run(p) is study  # returns the study itself
+        assert len(study.runs) == i + 1
+    assert json.loads((d / "study.json").read_text())["runs"] == [f"run-{i}.jsonl" for i in range(k)]
+    released = study.runs[-1]
+    assert study.select(d / released) is study and study.selected == released
+    saved = json.loads((d / "study.json").read_text())
+    assert saved["selected"] == released and len(saved["runs"]) == k
+    # a refused update leaves the object and the file as they were
+    with pytest.raises(StudyError, match="already in the study"):
+        study.add_run(d / "run-0.jsonl")
+    with pytest.raises(StudyError, match="not one of the study's runs"):
+        study.select(d / "elsewhere.jsonl")
+    assert study.selected == released and len(study.runs) == k
+    assert json.loads((d / "study.json").read_text()) == saved
+    rep = study.report(1e-5)
+    assert rep.num_runs == k and rep.selected_run == released
+    assert Study.load(d).report(1e-5).to_dict() == rep.to_dict()
+
+
+def test_accounting_docs_study_example_runs_as_written(tmp_path, monkeypatch):
+    """The Study code block of docs/accounting.md runs as written (whatever K is drawn: no run
+    name is hard-coded) and reports every run."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "accounting.md").read_text(encoding="utf-8")
+    section = text[text.index("## Hyperparameter tuning"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "run-3" not in block
+    monkeypatch.chdir(tmp_path)
+    out = []
+    ns = {"print": out.append}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the example's ledgers warn of nothing
+        exec(compile(block, "docs/accounting.md", "exec"), ns)
+    study = Study.load(tmp_path / "study")
+    assert len(study.runs) == study.num_runs_drawn and study.selected in study.runs
+    assert out and "Privacy report of a tuning study" in out[-1]

@@ -9,7 +9,7 @@ import argparse
 import json
 import math
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 class DataError(Exception):
@@ -214,16 +214,19 @@ def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, ste
     """ε of the same (q, σ, steps) under every sampler that the arguments allow, beside
     Poisson's (``dpcore epsilon --sampler all``)."""
     from .accounting.samplers import ACCOUNTED_SAMPLERS, GUARANTEES, default_accountant, sampler_epsilon
+    from .sampling import registered_samplers
 
     # one relation for the whole table: ε is never compared across relations
     relation = args.neighboring or "add_or_remove"
     args.neighboring = relation
-    rows = []
-    for name in ACCOUNTED_SAMPLERS:
+    rows: List[Dict[str, Any]] = []
+    # every sampler a run can select (sampler=...), then the accounted orders that are not one
+    names = list(registered_samplers(selectable=True))
+    names += [n for n in ACCOUNTED_SAMPLERS if n not in names]
+    for name in names:
         if name == "truncated_poisson" and (args.population_size is None or args.max_batch_size is None):
+            rows.append({"sampler": name, "error": "needs --population-size and --max-batch-size"})
             continue
-        if name == "random_allocation" and args.num_selected == 1:
-            continue  # k = 1 is balls-in-bins
         acct = default_accountant(name, args.accountant)
         try:
             eps = sampler_epsilon(name, args.z, steps, args.delta, accountant=acct, **_sampler_kw(args, parser, name))

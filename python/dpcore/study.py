@@ -41,7 +41,8 @@ The tuning-inclusive ε is (a) when a distribution is declared and its condition
 runs made are the K drawn, not drawn from a test seed), (b) otherwise. The smaller of the two is *not* taken: which one is smaller depends on K, so
 reporting the smaller would disclose something about K (that it is large when (a) is chosen),
 and (a) does not hold for an adversary who knows that. (b) remains a valid statement and is
-always reported beside (a).
+always reported beside (a), named as the statement that holds whatever is disclosed: state it
+where K may be known.
 """
 
 from __future__ import annotations
@@ -277,8 +278,9 @@ class StudyReport:
 
         unit, d = self.privacy_unit, self.delta
         basis = {
-            "papernot_steinke": "(a) Papernot & Steinke, the declared distribution of K",
-            "composition": "(b) composition of the runs made",
+            "papernot_steinke": "(a) Papernot & Steinke, the declared distribution of K (holds while K and the "
+                                "other runs stay secret)",
+            "composition": "(b) composition of the runs made (holds whatever is disclosed)",
         }[self.epsilon_basis]
         if self.selected_run is not None and self.epsilon_selected_run is not None:
             final = f"({format_number(self.epsilon_selected_run)}, {d:g})-DP: `{self.selected_run}` alone (its ledger's ε)"
@@ -333,7 +335,7 @@ class Study:
     """A tuning study: runs' ledgers, the distribution of the number of runs, the selected run.
 
     :meth:`load` reads a directory or a study file, :meth:`create` starts one (drawing K),
-    :meth:`add_run` and :meth:`select` update its file atomically, :meth:`epsilon` and
+    :meth:`add_run` and :meth:`select` update its file atomically and this object with it, :meth:`epsilon` and
     :meth:`report` account it (see the module docstring for the analysis)."""
 
     def __init__(
@@ -494,7 +496,9 @@ class Study:
         d = _read_study_file(self._file)
         d.update(changes)
         _write_atomic(self._file, d, exclusive=False)
-        return Study.load(self._location)
+        # this object follows its file: the caller's ``study`` is the study as now recorded
+        self.__dict__.update(Study.load(self._location).__dict__)
+        return self
 
     def _relative(self, ledger: "os.PathLike[str] | str") -> str:
         lp = os.path.abspath(os.fspath(ledger))
@@ -503,7 +507,8 @@ class Study:
 
     def add_run(self, ledger: "os.PathLike[str] | str") -> "Study":
         """Lists the ledger of one more run in the study file (the ledger may not exist yet: a
-        run about to start); returns the study as reloaded. A ledger listed twice is refused."""
+        run about to start) and in this object; returns this study (``study = study.add_run(p)``
+        works too). A ledger listed twice is refused, and a refused update changes nothing."""
         rel = self._relative(ledger)
         key = os.path.realpath(os.path.join(self.base_dir, rel))
         if any(os.path.realpath(os.path.join(self.base_dir, r)) == key for r in self._listed):
@@ -511,7 +516,8 @@ class Study:
         return self._rewrite(runs=list(self._listed) + [rel])
 
     def select(self, ledger: "os.PathLike[str] | str") -> "Study":
-        """Records which run's output is released (it must be one of the study's runs)."""
+        """Records, in the study file and in this object, which run's output is released (it must
+        be one of the study's runs); returns this study."""
         rel = self._relative(ledger)
         key = os.path.realpath(os.path.join(self.base_dir, rel))
         if all(os.path.realpath(os.path.join(self.base_dir, r)) != key for r in self._runs):
@@ -651,8 +657,8 @@ class Study:
             if eps_b < eps_a:
                 notes.append(
                     f"the composition of the {k} run(s) made, (b) ε = {eps_b:.6g}, is below (a) here and may be stated "
-                    "instead (it holds given K); the two are not combined by taking the smaller, since which one is "
-                    "smaller depends on K, and (a) needs K secret"
+                    "instead (it holds given K, whatever is disclosed); the two are not combined by taking the "
+                    "smaller, since which one is smaller depends on K, and (a) needs K secret"
                 )
         else:
             eps, basis = eps_b, "composition"

@@ -230,6 +230,11 @@ def _check_shape(opt: Any, st: Dict[str, Any], dp: Dict[str, Any]) -> None:
             )
 
 
+#: How a direct user of the optimizer keeps the releases; an adapter that builds the optimizer
+#: (the HF trainer) sets ``optimizer.ledger_ahead_hint`` to the keyword of its own API.
+_LEDGER_AHEAD_HINT = "call optimizer.load_state_dict(state, ledger_ahead='keep') or set optimizer.ledger_ahead = 'keep' first"
+
+
 def _check_ledger(opt: Any, saved: Dict[str, Any], ledger_ahead: str) -> int:
     """How many releases the ledger holds beyond the checkpoint (0, or more with ``keep``)."""
     ledger = opt.ledger
@@ -255,8 +260,7 @@ def _check_ledger(opt: Any, saved: Dict[str, Any], ledger_ahead: str) -> int:
             f"{where}: the ledger holds {ahead} release(s) more than the checkpoint saw ({have_r} vs {want_r}): the run "
             f"stopped after recording them but before the next checkpoint, so their noise was spent and their updates are "
             f"lost. To resume from this checkpoint with them kept in the ledger (still counted in ε, which then "
-            f"over-counts: the safe side), call optimizer.load_state_dict(state, ledger_ahead='keep') or set "
-            f"optimizer.ledger_ahead = 'keep' first"
+            f"over-counts: the safe side), {getattr(opt, 'ledger_ahead_hint', None) or _LEDGER_AHEAD_HINT}"
         )
     return ahead
 

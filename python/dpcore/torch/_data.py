@@ -18,7 +18,6 @@ is one Poisson sample of the whole dataset, recorded once as (N, q).
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 

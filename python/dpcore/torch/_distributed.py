@@ -39,6 +39,7 @@ split). The mechanism is the same single-process release, laid out differently:
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -247,6 +248,17 @@ def flat_views(params: Sequence[torch.Tensor], flag: bool = False) -> Tuple[List
     return bufs, [views[id(p)] for p in params]
 
 
+def _default_ledger_path() -> str:
+    """A fresh temporary ledger file for a run given no ``ledger=``, logged once (logger
+    ``dpcore``, INFO) so that the user can find it."""
+    path = os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl")
+    logging.getLogger("dpcore").info(
+        "no ledger= given: the privacy ledger is %s (a temporary file; pass ledger='run.jsonl' to choose where, "
+        "optimizer.ledger.path gives it)", path
+    )
+    return path
+
+
 def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
     """The ledger of this process from what the user passed (a :class:`PrivacyLedger`, a path,
     or None for a temporary file).
@@ -262,7 +274,7 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
         if isinstance(ledger, PrivacyLedger):
             return ledger
         if ledger is None:
-            ledger = os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl")
+            ledger = _default_ledger_path()
         return PrivacyLedger(ledger)
     if comm.is_root:
         opened: Optional[PrivacyLedger] = None
@@ -273,7 +285,7 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
                 if opened is None:
                     raise ValueError("rank 0 was given a replica ledger; give it the ledger's path")
             else:
-                path = ledger if ledger is not None else os.path.join(tempfile.mkdtemp(prefix="dpcore-"), "ledger.jsonl")
+                path = ledger if ledger is not None else _default_ledger_path()
                 opened = PrivacyLedger(path)
         except BaseException as e:
             err = e

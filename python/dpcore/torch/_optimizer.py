@@ -221,6 +221,10 @@ class DPOptimizer(torch.optim.Optimizer):
         #: What :meth:`load_state_dict` does when the ledger holds releases beyond the
         #: checkpoint's: ``"refuse"`` (raise) or ``"keep"`` (resume, keeping them counted).
         self.ledger_ahead = "refuse"
+        #: How the error refusing a ledger ahead of the checkpoint tells the user to keep its
+        #: releases (None: through this optimizer, ``load_state_dict(..., ledger_ahead='keep')``);
+        #: an adapter that builds the optimizer names its own keyword here.
+        self.ledger_ahead_hint: Optional[str] = None
 
     # -- plumbing ---------------------------------------------------------------------
 

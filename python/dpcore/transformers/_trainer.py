@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -81,6 +82,22 @@ def _find_dp(opt: Any) -> Optional[DPOptimizer]:
         opt = getattr(opt, "optimizer", None)
         seen += 1
     return None
+
+
+class _DPEpoch(transformers.TrainerCallback):
+    """Sets ``state.epoch`` (what the Trainer logs and saves) from the global step: the Trainer
+    computes it from the micro-batches seen in the current iteration of the loader, but a
+    resumed run's loader (:class:`TrainerBatches`) starts at the step where it stopped, not at
+    the start of the epoch (``ignore_data_skip``: no batch is drawn to be skipped), so the
+    Trainer's count restarts at 0 and its epoch with it."""
+
+    def __init__(self, run: DPRun) -> None:
+        self.run = run
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        spe = self.run.steps_per_epoch
+        if spe > 0:
+            state.epoch = state.global_step / spe
 
 
 class DPTrainerMixin:
@@ -197,6 +214,10 @@ class DPTrainerMixin:
         # last, once every argument passed its checks
         if ledger is None:
             ledger = os.path.join(args.output_dir, LEDGER_NAME)
+            logging.getLogger("dpcore").info(
+                "no ledger= given: the privacy ledger is %s (continued if it exists; trainer.ledger.path gives it)",
+                os.path.abspath(ledger),
+            )
         if not isinstance(ledger, PrivacyLedger):
             path = os.fspath(ledger)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -205,6 +226,8 @@ class DPTrainerMixin:
         args.max_grad_norm = 0.0
         args.ignore_data_skip = True  # a resumed run restarts the sampler at its step, drawing nothing to skip
         self._dp_run = run
+        # first, so that every other callback sees the corrected epoch
+        self.callback_handler.callbacks.insert(0, _DPEpoch(run))
 
     @staticmethod
     def _dp_refuse_unsupported(args: Any) -> None:
@@ -343,6 +366,10 @@ class DPTrainerMixin:
         )
         dp._dp_run = run
         dp.ledger_ahead = run.ledger_ahead  # what load_state_dict does with releases after the checkpoint
+        # the error's hint names the keyword of the API this trainer was made with
+        api = "DPTrainer(..., ledger_ahead=\"keep\")" if isinstance(self, DPTrainer) else (
+            "make_private_trainer(trainer, ..., ledger_ahead=\"keep\")")
+        dp.ledger_ahead_hint = f"build the trainer with {api} and resume again"
         self.optimizer = dp
         return dp
 
