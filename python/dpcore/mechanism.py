@@ -323,16 +323,14 @@ def clip_noise(
         if granularity is not None:
             raise ValueError("granularity applies to mechanism='discrete_gaussian' only")
         flat, norms = _core.gaussian_sum_flat(arrays, clip, z, den, s, _scales(scales, len(arrays)))
-        check_norms(norms, mode)
-        if _trace.active():  # the grey-box harness: the same clipped sum, before its noise
-            pre, _ = clip_sum(arrays, clip, scales=scales, dtype=np.float64)
-            _trace.release(
-                "mechanism.clip_noise", [{"sums": list(pre), "sensitivity": clip, "scales": scales}],
-                denominator=den, noise={"noise_multiplier": z}, event=("gaussian", clip, z * clip),
-            )
-            flat = _trace.output("mechanism.clip_noise", list(flat))
-        return _pack(flat, arrays, kind)
     check_norms(norms, mode)
+    if _trace.active() and check_mechanism(mechanism) == "gaussian":  # the grey-box harness: the clipped sum, before its noise
+        pre, _ = clip_sum(arrays, clip, scales=scales, dtype=np.float64)
+        _trace.release(
+            "mechanism.clip_noise", [{"sums": list(pre), "sensitivity": clip, "scales": scales}],
+            denominator=den, noise={"noise_multiplier": z}, event=("gaussian", clip, z * clip),
+        )
+        flat = _trace.output("mechanism.clip_noise", list(flat))
     return _pack(flat, arrays, kind)
 
 

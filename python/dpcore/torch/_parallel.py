@@ -234,10 +234,6 @@ class Sharded(DataParallel):
                 return
             _raise_failures(step, failures)
             if _trace.active():
-                if self._trace_sums is None:
-                    self._trace_sums = [
-                        torch.zeros(lay.shape, dtype=torch.float64, device=p.device) for lay, p in zip(self.layouts, self.params)
-                    ]
                 self._trace_add(b, factors)
             if self._shard_noise is None:
                 sds = self.noise.gaussian.stddevs()
@@ -267,8 +263,6 @@ class Sharded(DataParallel):
             _raise_failures(step, failures)
         sds = self.noise.gaussian.stddevs()
         tracing = _trace.active()
-        if tracing and self._trace_sums is None:
-            self._trace_sums = [torch.zeros(lay.shape, dtype=torch.float64, device=p.device) for lay, p in zip(self.layouts, self.params)]
         if tracing:  # this micro-batch's part, before the scatter below clears the factors
             self._trace_add(b, factors)
         if self._shard_noise is None:
@@ -290,7 +284,12 @@ class Sharded(DataParallel):
         return True
 
     def _trace_add(self, b: int, factors: List[Optional[torch.Tensor]]) -> None:
-        """The grey-box trace only: this micro-batch's clipped sums added to :attr:`_trace_sums`."""
+        """The grey-box trace only: this micro-batch's clipped sums added to :attr:`_trace_sums`
+        (full-shape float64 zeros at the logical batch's first micro-batch)."""
+        if self._trace_sums is None:
+            self._trace_sums = [
+                torch.zeros(lay.shape, dtype=torch.float64, device=p.device) for lay, p in zip(self.layouts, self.params)
+            ]
         if b == 0:
             return
         into: List[Optional[torch.Tensor]] = list(self._trace_sums or [])
