@@ -11,8 +11,11 @@ CPU runs work too (``--device cpu``), for the dry run; the profiler tables are t
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -62,8 +65,25 @@ def profile(model_name: str, config: str, device: torch.device, steps: int, warm
             step(next(batches))
         sync()
     ka = prof.key_averages()
+    # Python-level wall time, which the torch profiler does not attribute: Rust calls that release
+    # the GIL, torch.compile guards and recompilations, Python loops between operators.
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(5):
+        step(next(batches))
+    sync()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    recompiles = None
+    try:
+        from torch._dynamo.utils import counters
+        recompiles = {k: dict(v) for k, v in counters.items() if k in ("recompiles", "stats", "frames")}
+    except Exception:  # noqa: BLE001
+        pass
     out = {"model": model_name, "config": config, "device": str(device), "warmup_s": warm_s,
            "ms": statistics.median(times), "times": times, "syncs_per_step": syncs,
+           "dynamo": recompiles, "top_python": "\n".join(buf.getvalue().splitlines()[:top + 12]),
            "top_cpu": ka.table(sort_by="self_cpu_time_total", row_limit=top)}
     if cuda:
         out["top_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=top)
@@ -91,6 +111,9 @@ def main() -> None:
             res.append(r)
             print(f"\n### {m} {c}: {r['ms']:.2f} ms/step median of {len(r['times'])} (warm-up {r['warmup_s']:.1f} s), "
                   f"syncs per step {r['syncs_per_step']}")
+            print(f"dynamo counters: {r['dynamo']}")
+            print("Python wall time by function (cProfile, 5 steps, tottime):")
+            print(r["top_python"])
             print(r["top_cpu"])
             if "top_cuda" in r:
                 print(r["top_cuda"])

@@ -133,12 +133,12 @@ else
     want tests && step "CUDA tests" 110 "$py" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
     want noise && step "bench_device_noise (10^8 float32)" 40 "$py" benches/bench_device_noise.py --devices cuda \
         --sizes 1000000 100000000 --blocks 3 --peak-n 100000000 --json "$out/noise.json"
-    want profile && step "profile_step (where the time goes)" 60 "$py" benches/gpu/profile_step.py --models transformer cnn \
+    want profile && step "profile_step (where the time goes)" 90 "$py" benches/gpu/profile_step.py --models transformer cnn \
         --bf16 --steps 20 --warmup 8 --top 12
     want torch && step "bench_torch (fp32 and bf16 autocast)" 200 "$py" benches/bench_torch.py --device cuda \
         --models transformer cnn lstm mlp --bf16 --steps 30 --min-steps 5 --budget 1 --warmup 4 --rounds 1 \
         --json "$out/torch.json"
-    want memory && step "bench_memory (max_memory_allocated)" 80 "$py" benches/bench_memory.py --device cuda \
+    want memory && step "bench_memory (max_memory_allocated)" 150 "$py" benches/bench_memory.py --device cuda \
         --models transformer --batches 32 128 512 1024 --seq 128 --repeats 1 --steps 2 --json "$out/memory.json"
     want trainer && step "bench_trainer (GPT-2 small shape, bf16)" 90 "$py" benches/bench_trainer.py --device cuda \
         --size small --bf16 --modes lora full --steps 10 --warmup 3 --rounds 1 --json "$out/trainer.json"
