@@ -166,3 +166,33 @@ def wants_target(noise_multiplier: Any, target_epsilon: Any, target_delta: Any, 
     if epochs is None:
         raise TypeError("target_epsilon needs epochs= (the planned epochs the noise multiplier is calibrated for)")
     return True
+
+
+def check_privacy_unit(privacy_unit: Any, user_ids: Any, examples_per_user: Any, max_examples_per_user: Any) -> bool:
+    """Whether the privacy unit is the user, after checking the unit's arguments together (the
+    same rule in every adapter): ``"example"`` takes none of them; ``"user"`` needs ``user_ids``
+    and exactly one of ``examples_per_user`` (user-level sampling) and
+    ``max_examples_per_user`` (example-level sampling, user-level guarantee)."""
+    from .sampling import check_examples_per_user
+
+    if privacy_unit not in ("example", "user"):
+        raise ValueError(f"privacy_unit must be 'example' or 'user', got {privacy_unit!r}")
+    if privacy_unit == "example":
+        given = [k for k, v in (("user_ids", user_ids), ("examples_per_user", examples_per_user),
+                                ("max_examples_per_user", max_examples_per_user)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need privacy_unit='user' (the default unit is one example)")
+        return False
+    if user_ids is None:
+        raise TypeError("privacy_unit='user' needs user_ids: one id per training example")
+    if (examples_per_user is None) == (max_examples_per_user is None):
+        raise ValueError(
+            "privacy_unit='user' needs exactly one of examples_per_user=k (users are sampled; each gives the mean "
+            "of at most k of its examples) and max_examples_per_user=K (each user bounded to K examples; examples "
+            "are sampled)"
+        )
+    if examples_per_user is not None:
+        check_examples_per_user("examples_per_user", examples_per_user)
+    else:
+        check_examples_per_user("max_examples_per_user", max_examples_per_user)
+    return True

@@ -55,6 +55,7 @@ from ._shuffle import ShuffleSampler
 from ._sequential import SequentialSampler
 from ._cyclic import CyclicPoissonSampler, CyclicSampler
 from ._fixed_size import FixedSizeSampler, fixed_size_sample
+from ._users import UserIndex, check_examples_per_user
 
 __all__ = [
     "NEIGHBORING",
@@ -68,6 +69,8 @@ __all__ = [
     "SequentialSampler",
     "ShuffleSampler",
     "TruncatedPoissonSampler",
+    "UserIndex",
+    "check_examples_per_user",
     "fixed_size_sample",
     "poisson_accountant_event",
     "poisson_sample",

@@ -36,6 +36,8 @@ Requires the ``torch`` extra (``pip install 'dpcore[torch]'``).
 from __future__ import annotations
 
 import warnings
+
+import numpy as np
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -109,6 +111,10 @@ def make_private(
     accountant: Optional[str] = None,
     on_nonfinite: str = "zero",
     population_size: Optional[int] = None,
+    privacy_unit: str = "example",
+    user_ids: Any = None,
+    examples_per_user: Optional[int] = None,
+    max_examples_per_user: Optional[int] = None,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
 
@@ -194,6 +200,26 @@ def make_private(
     ``len(dataset)``, then assumed public, as the report says). Under add-or-remove adjacency
     the dataset's true size is data (Opacus #571): declare N where it is not public.
 
+    **The privacy unit.** ``privacy_unit="example"`` (the default) protects one training
+    example. ``privacy_unit="user"`` with ``user_ids`` (one id per example of the dataset:
+    integers or strings) protects all the examples of one person (Charles et al. 2024,
+    arXiv 2407.07737; docs/privacy-unit.md):
+
+    * ``examples_per_user=k`` (user-level sampling): Poisson sampling draws *users*, the
+      DataLoader's ``batch_size`` is the expected number of users per step (q = batch_size/U
+      over the U users, or ``population_size`` users when declared), each sampled user gives
+      at most k of its examples (ChaCha20 without replacement), and the user's gradient is the
+      mean of its examples' gradients, clipped to C as one record; the noised sum is divided by
+      q·U. ε is the example-level analysis with users as records.
+    * ``max_examples_per_user=K`` (example-level sampling, user-level guarantee): each user is
+      bounded once to K examples, examples are Poisson sampled (``batch_size`` is the expected
+      number of examples) and clipped one by one; ε is stated for a user, accounted as up to K
+      examples each sampled independently (a mixture of Gaussians).
+
+    The ledger records the unit (a ledger of another unit is refused), the user population and
+    the bound. Poisson sampling only; not with matrix-factorization noise or ``query=``
+    microbatches.
+
     **Non-finite records.** ``on_nonfinite="zero"`` (the default): a record whose per-record
     gradient is NaN or infinite (bad data, an overflow) contributes exactly zero, in every
     clipping group, and the step releases as usual; nothing is raised or released about it.
@@ -262,7 +288,19 @@ def make_private(
             granularity=granularity, grad_scaler=grad_scaler, seed=seed, noise_mechanism=noise_mechanism,
             strategy=strategy, participation=participation, keep_loader=keep_loader, sampler=sampler,
             max_batch_size=max_batch_size, num_selected=num_selected, on_nonfinite=on_nonfinite,
-            population_size=population_size,
+            population_size=population_size, privacy_unit=privacy_unit, user_ids=user_ids,
+            examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user,
+        )
+    users = _adapters.check_privacy_unit(privacy_unit, user_ids, examples_per_user, max_examples_per_user)
+    if users and hasattr(data_loader.dataset, "__len__"):
+        from ..sampling import UserIndex
+
+        if not isinstance(user_ids, UserIndex):  # checked before anything is opened or recorded
+            user_ids = UserIndex(user_ids, len(data_loader.dataset))  # type: ignore[arg-type]
+    if users and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) != "poisson"):
+        raise ValueError(
+            "privacy_unit='user' samples users (or bounds them) with Poisson sampling; it is not yet available with "
+            "other samplers or matrix-factorization noise"
         )
     if population_size is not None and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) != "poisson"):
         raise ValueError(
@@ -313,11 +351,12 @@ def make_private(
             "sampler='shuffle' is not supported under torch.distributed: the ranks' shuffled batches "
             "would not form one recorded sample; use Poisson sampling"
         )
-    ledger = resolve_ledger(ledger, comm)
+    ledger = resolve_ledger(ledger, comm, privacy_unit=privacy_unit)
     if poisson_sampling:
         loader: Any = DPDataLoader.from_data_loader(
             data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed,
-            population_size=population_size,
+            population_size=population_size, **({"user_ids": user_ids, "examples_per_user": examples_per_user,
+                                                  "max_examples_per_user": max_examples_per_user} if users else {}),
         )
         expected = loader.expected_batch_size
     elif kind in _adapters.DRAWN:
@@ -612,6 +651,23 @@ def make_private_with_epsilon(
         z = _calibrated_shuffle_noise(target_epsilon, target_delta, epochs, len(data_loader), accountant)
         return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
     n = kwargs.get("population_size")
+    users = _adapters.check_privacy_unit(kwargs.get("privacy_unit", "example"), kwargs.get("user_ids"),
+                                         kwargs.get("examples_per_user"), kwargs.get("max_examples_per_user"))
+    if users:
+        from ..sampling import UserIndex
+
+        index = UserIndex(kwargs["user_ids"], len(data_loader.dataset))  # type: ignore[arg-type]
+        kwargs["user_ids"] = index  # checked once
+        K = kwargs.get("max_examples_per_user")
+        if n is None:
+            n = index.num_users if K is None else int(np.minimum(index.counts, K).sum())
+        q = min(1.0, data_loader.batch_size / n)
+        count("epochs", epochs, 1)
+        steps = steps_for_epochs("poisson", epochs, q)
+        z = calibrate_noise(target_epsilon, target_delta, sampler="poisson", sampling_probability=q, steps=steps,
+                            accountant="pld" if accountant is None else accountant,
+                            **({} if K is None else {"max_examples_per_user": K}))
+        return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)
     q = min(1.0, data_loader.batch_size / (len(data_loader.dataset) if n is None else n))  # type: ignore[arg-type]
     z, _ = _calibrated_noise(target_epsilon, target_delta, epochs, q, "pld" if accountant is None else accountant)
     return make_private(model, optimizer, data_loader, noise_multiplier=z, max_grad_norm=max_grad_norm, **kwargs)

@@ -121,6 +121,14 @@ class Contribution:
         batch is padded with zero records to a multiple of k."""
         raise NotImplementedError
 
+    def group(self, weights: torch.Tensor, grouping: "Grouping", memo: Dict[Any, torch.Tensor]) -> "Contribution":
+        """Users (the privacy unit "user"): the examples of unit u, ``grouping.index[u]``, join
+        it with weights ``weights`` (B,) (1/count: the unit's gradient is the mean of its
+        examples'). A unit is a record whose positions are its examples' positions one after
+        the other (a longer sequence), so every norm and clipped sum applies unchanged.
+        ``memo``: one gathered copy per factor tensor (uses that share a factor keep sharing it)."""
+        raise NotImplementedError
+
     def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Records lo..hi materialised in float64, (n, *slice), and a bound on each one's
         rounding error relative to the parameter-dtype arithmetic of :meth:`add_clipped`."""
@@ -163,6 +171,54 @@ def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([t, pad], 0)
 
 
+class Grouping:
+    """Examples (B,) grouped into units (U,) that are consecutive runs of ``counts`` examples
+    (user-major batches, :meth:`dpcore.sampling.UserIndex.choose`). ``index`` (U·kmax,) lists
+    each unit's examples padded with B (a zero row appended to each factor) up to ``kmax``."""
+
+    __slots__ = ("counts", "kmax", "units", "batch", "index", "unit_of", "uniform")
+
+    def __init__(self, counts: torch.Tensor, device: torch.device) -> None:
+        counts = counts.to(torch.int64).cpu()
+        self.counts = counts
+        self.units = int(counts.numel())
+        self.batch = int(counts.sum())
+        self.kmax = int(counts.max()) if self.units else 0
+        self.uniform = bool((counts == self.kmax).all())
+        starts = torch.cumsum(counts, 0) - counts
+        j = torch.arange(self.kmax, dtype=torch.int64)
+        idx = starts[:, None] + j[None, :]
+        idx = torch.where(j[None, :] < counts[:, None], idx, torch.full_like(idx, self.batch))
+        self.index = idx.reshape(-1).to(device)
+        self.unit_of = torch.repeat_interleave(torch.arange(self.units, dtype=torch.int64), counts).to(device)
+
+    def gather(self, t: torch.Tensor, memo: Dict[Any, torch.Tensor], key: Any) -> torch.Tensor:
+        """(B, T, ...) as (U, kmax·T, ...): each unit's examples one after the other, zero rows
+        where a unit has fewer than kmax."""
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        b = t.shape[0]
+        rest = tuple(t.shape[2:])
+        if self.uniform:
+            out = t.reshape((self.units, self.kmax * t.shape[1]) + rest)
+        else:
+            padded = torch.cat([t, torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)], 0)
+            out = padded.index_select(0, self.index.to(t.device)).reshape((self.units, self.kmax * t.shape[1]) + rest)
+        assert b == self.batch
+        memo[key] = out
+        return out
+
+
+def _weighted(t: torch.Tensor, weights: torch.Tensor, memo: Dict[Any, torch.Tensor]) -> torch.Tensor:
+    key = ("w", id(t))
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = t * weights.to(device=t.device, dtype=t.dtype).reshape((-1,) + (1,) * (t.dim() - 1))
+        memo[("keep", id(t))] = t  # t alive while the memo lives: its id is not reused
+    return hit
+
+
 class Factored(Contribution):
     """Per-record gradient Σ_t g_t a_tᵀ of ``param`` viewed as (rows, din); ``a=None``: Σ_t g_t."""
 
@@ -184,6 +240,13 @@ class Factored(Contribution):
         m = -(-b // k)
         g = _pad_to(self.g * weights.to(self.g.dtype)[:, None, None], m * k).reshape(m, k * t, -1)
         a = None if self.a is None else _pad_to(self.a, m * k).reshape(m, k * t, -1)
+        return Factored(self.param, a, g, self.rows)
+
+    def group(self, weights: torch.Tensor, grouping: Grouping, memo: Dict[Any, torch.Tensor]) -> "Factored":
+        g = grouping.gather(_weighted(self.g, weights, memo), memo, ("g", id(self.g)))
+        a = None if self.a is None else grouping.gather(self.a, memo, ("a", id(self.a)))
+        if self.a is not None:
+            memo[("keep", id(self.a))] = self.a
         return Factored(self.param, a, g, self.rows)
 
     def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +309,12 @@ class Rows(Contribution):
         m = -(-b // k)
         g = _pad_to(self.g * weights.to(self.g.dtype)[:, None, None], m * k).reshape(m, k * t, -1)
         return Rows(self.param, _pad_to(self.idx, m * k).reshape(m, k * t), g)
+
+    def group(self, weights: torch.Tensor, grouping: Grouping, memo: Dict[Any, torch.Tensor]) -> "Rows":
+        g = grouping.gather(_weighted(self.g, weights, memo), memo, ("g", id(self.g)))
+        idx = grouping.gather(self.idx, memo, ("idx", id(self.idx)))  # padding looks up row 0 with g = 0
+        memo[("keep", id(self.idx))] = self.idx
+        return Rows(self.param, idx, g)
 
     def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
         n, t = hi - lo, self.idx.shape[1]
@@ -311,6 +380,14 @@ class Dense(Contribution):
         m = -(-b // k)
         w = weights.to(self.per.dtype).reshape((b,) + (1,) * (self.per.dim() - 1))
         return Dense(self.param, _pad_to(self.per * w, m * k).reshape((m, k) + tuple(self.per.shape[1:])).sum(1), self.rows)
+
+    def group(self, weights: torch.Tensor, grouping: Grouping, memo: Dict[Any, torch.Tensor]) -> "Dense":
+        per = _weighted(self.per, weights, memo)
+        rest = tuple(per.shape[1:])
+        if not grouping.uniform:  # summed in a fixed order (no atomics): the same bits every run
+            per = torch.cat([per, torch.zeros((1,) + rest, dtype=per.dtype, device=per.device)], 0)
+            per = per.index_select(0, grouping.index.to(per.device))
+        return Dense(self.param, per.reshape((grouping.units, grouping.kmax) + rest).sum(1), self.rows)
 
     def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.per[lo:hi].double(), torch.zeros(hi - lo, dtype=torch.float64, device=self.per.device)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from ..ledger import PrivacyLedger
 from .._seeds import derive_seed
-from ..sampling import poisson_sample
+from ..sampling import UserIndex, check_examples_per_user, poisson_sample
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["DPDataLoader"]
@@ -51,6 +51,22 @@ class DPDataLoader:
       not public, so that neither q, the denominator nor the ledger reads it from the data.
     * ``seed``: tests and reproductions only — a seeded sample is predictable, gives no
       amplification in truth, and is marked ``seeded`` in the ledger (each rank derives its own).
+    * ``user_ids`` (one id per example of ``dataset``) with ``examples_per_user`` k: the privacy
+      unit is the user (user-level sampling, Charles et al. 2024, arXiv 2407.07737). Each step
+      draws *users*, each with probability q (q = the expected users per step over the user
+      population, ``population_size`` users, default the number of distinct ids), and each
+      sampled user gives at most k of its examples, chosen by ChaCha20 without replacement.
+      A batch holds the sampled users' examples user-major; :attr:`record_groups` gives the
+      number of examples of each user in the batch just yielded, from which the optimizer
+      clips each user's mean gradient as one record. Micro-batches never split a user
+      (``max_physical_batch_size`` ≥ k). The ledger (privacy unit ``"user"``) records each
+      sample over the user population with the bound k.
+    * ``user_ids`` with ``max_examples_per_user`` K: example-level sampling with a user-level
+      guarantee (Charles et al. 2024): each user is bounded once, before the first sample, to at
+      most K of its examples (ChaCha20), and the kept examples are Poisson sampled and clipped one
+      by one; the ledger (unit ``"user"``) records K, and the accountant takes a user as up to K
+      independently sampled examples (a mixture of Gaussians). ``population_size`` then counts
+      kept examples (default: how many were kept, assumed public).
 
     Under ``torch.distributed`` (initialised, world size W > 1) the loader yields this rank's
     part of each sample: about q·N/W records (``last_indices`` are indices into the dataset).
@@ -74,6 +90,9 @@ class DPDataLoader:
         seed: Optional[int] = None,
         sample_rate: Optional[float] = None,
         population_size: Optional[int] = None,
+        user_ids: Any = None,
+        examples_per_user: Optional[int] = None,
+        max_examples_per_user: Optional[int] = None,
     ) -> None:
         from .._names import renamed
 
@@ -88,6 +107,43 @@ class DPDataLoader:
         self.n = len(dataset)  # type: ignore[arg-type]
         if self.n < 1:
             raise ValueError("dataset is empty")
+        #: the privacy unit "user" (None: a record is an example), see the class docstring
+        self.users: Optional[UserIndex] = None
+        self.examples_per_user: Optional[int] = None
+        self.max_examples_per_user: Optional[int] = None
+        #: ELS: the examples kept after bounding each user (indices into ``dataset``)
+        self.kept: Optional[np.ndarray] = None
+        #: ULS: each user's example count in the batch just yielded (user-major), else None
+        self.record_groups: Optional[np.ndarray] = None
+        if user_ids is None:
+            if examples_per_user is not None or max_examples_per_user is not None:
+                raise ValueError("examples_per_user and max_examples_per_user need user_ids (one id per example)")
+        else:
+            if (examples_per_user is None) == (max_examples_per_user is None):
+                raise ValueError(
+                    "with user_ids give examples_per_user=k (user-level sampling: users are sampled, each gives the "
+                    "mean of at most k examples) or max_examples_per_user=K (each user bounded to K examples, "
+                    "examples sampled), not both"
+                )
+            self.users = user_ids if isinstance(user_ids, UserIndex) else UserIndex(user_ids, self.n)
+            if self.users.num_examples != self.n:
+                raise ValueError(f"user_ids has {self.users.num_examples} ids but the dataset has {self.n} examples")
+            if examples_per_user is not None:
+                self.examples_per_user = check_examples_per_user("examples_per_user", examples_per_user)
+                if max_physical_batch_size is not None and int(max_physical_batch_size) < self.examples_per_user:
+                    raise ValueError(
+                        f"max_physical_batch_size ({max_physical_batch_size}) must be >= examples_per_user "
+                        f"({self.examples_per_user}): a micro-batch never splits a user's examples"
+                    )
+                self.n = self.users.num_users
+            else:
+                self.max_examples_per_user = check_examples_per_user("max_examples_per_user", max_examples_per_user)
+                comm = current_communicator()
+                if comm is None or comm.is_root:
+                    self.kept = self.users.bound(self.max_examples_per_user, seed=derive_seed(seed, 0xB0))
+                if comm is not None:  # one bound for the run: rank 0 draws it, every rank uses it
+                    self.kept = comm.share(self.kept if comm.is_root else None, "sharing the examples kept per user")
+                self.n = len(self.kept)
         #: N: the declared (public) population size, else len(dataset) (assumed public)
         self.population_size = self.n if population_size is None else _population(population_size)
         self.population_declared = population_size is not None
@@ -102,7 +158,7 @@ class DPDataLoader:
         self._comm = current_communicator()
         self.rank, self.world_size = (0, 1) if self._comm is None else (self._comm.rank, self._comm.world_size)
         # Validated above first, so that bad arguments fail on every rank before the collective.
-        self.ledger = resolve_ledger(ledger, self._comm)
+        self.ledger = resolve_ledger(ledger, self._comm, "user" if self.users is not None else None)
         self.seed = seed
         self.logical_batch_complete = True
         self.samples_drawn = 0
@@ -123,6 +179,13 @@ class DPDataLoader:
             raise ValueError("data_loader has no batch_size; give sampling_probability to DPDataLoader directly")
         kw.setdefault("collate_fn", data_loader.collate_fn)
         n = kw.get("population_size")
+        if n is None and kw.get("user_ids") is not None:
+            # the privacy unit "user": q over the users (user-level sampling) or over the examples
+            # kept after bounding each user to K (Σ_u min(count_u, K): no draw needed to count them)
+            users = kw["user_ids"] if isinstance(kw["user_ids"], UserIndex) else UserIndex(kw["user_ids"], len(ds))  # type: ignore[arg-type]
+            kw["user_ids"] = users
+            k = kw.get("max_examples_per_user")
+            n = users.num_users if k is None else int(np.minimum(users.counts, check_examples_per_user("max_examples_per_user", k)).sum())
         n = len(ds) if n is None else _population(n)  # type: ignore[arg-type]
         return cls(ds, min(1.0, bs / n), ledger=ledger, **kw)
 
@@ -157,32 +220,51 @@ class DPDataLoader:
             return empty_batch(self.collate_fn, self.dataset[0])
         return self.collate_fn([self.dataset[int(i)] for i in idx])
 
+    def _record(self, seeded: bool) -> None:
+        bounds: Dict[str, Any] = {}
+        if self.examples_per_user is not None:
+            bounds["examples_per_user"] = self.examples_per_user
+        if self.max_examples_per_user is not None:
+            bounds["max_examples_per_user"] = self.max_examples_per_user
+        self.ledger.record_sample(self.population_size, self.sampling_probability, "poisson", seeded=seeded, **bounds)
+
     def _sample(self) -> np.ndarray:
-        """This rank's part of the next Poisson sample (all of it in one process)."""
+        """This rank's part of the next Poisson sample (all of it in one process): records (the
+        sampled users under user-level sampling, see :meth:`_examples`)."""
         r, w = self.rank, self.world_size
         if w == 1:
             seed = derive_seed(self.seed, self._draws)
             self._draws += 1
             idx = poisson_sample(self.n, self.sampling_probability, seed=seed)
-            self.ledger.record_sample(self.population_size, self.sampling_probability, "poisson", seeded=seed is not None)
+            self._record(seed is not None)
             return idx
         seed = derive_seed(self.seed, self._draws, r)  # a test seed: still one stream per rank
         self._draws += 1
         shard = max(0, (self.n - r + w - 1) // w)  # records r, r + w, r + 2w, ...
         local = poisson_sample(shard, self.sampling_probability, seed=seed)
         # Every rank records the whole sample (N, q); only rank 0's ledger is a file.
-        self.ledger.record_sample(self.population_size, self.sampling_probability, "poisson", seeded=seed is not None)
+        self._record(seed is not None)
         return r + w * local
+
+    def _examples(self, idx: np.ndarray) -> "tuple[np.ndarray, Optional[np.ndarray]]":
+        """The dataset indices of sampled records ``idx``, and under user-level sampling each
+        sampled user's number of examples (their examples user-major)."""
+        if self.kept is not None:
+            return self.kept[idx], None
+        if self.users is not None:
+            seed = derive_seed(self.seed, 0x05E5, self.rank)
+            return self.users.choose(idx, self.examples_per_user, seed=seed, draw=self._draws)
+        return idx, None
 
     def __iter__(self) -> Iterator[Any]:
         start, self._resume_at = self._resume_at, None
         self._pass_done = 0 if start is None or start >= self.steps else start
         while self._pass_done < self.steps:
-            idx = self._sample()
+            idx, counts = self._examples(self._sample())
             self.samples_drawn += 1
             self._pass_done += 1
             self._resume_at = None  # a resumed position is consumed by the pass that runs now
-            yield from physical_batches(self, idx)
+            yield from physical_batches(self, idx, counts)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -201,6 +283,9 @@ class DPDataLoader:
             "sampling_probability": float(self.sampling_probability),
             "population_size": int(self.population_size),
             "logical_batch_complete": bool(self.logical_batch_complete),
+            **({} if self.users is None else {"users": self.users.fingerprint,
+                                               "examples_per_user": self.examples_per_user,
+                                               "max_examples_per_user": self.max_examples_per_user}),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -227,6 +312,15 @@ class DPDataLoader:
                 f"the DPDataLoader state is for n={state['population_size']}, q={state['sampling_probability']}; "
                 f"this loader has n={self.population_size}, q={self.sampling_probability}"
             )
+        mine = None if self.users is None else self.users.fingerprint
+        if state.get("users") != mine:
+            raise ValueError(
+                "the DPDataLoader state was taken with other user ids than this loader's (or with another privacy "
+                "unit): a user-level run resumes only over the same users"
+            )
+        if self.users is not None and (state.get("examples_per_user"), state.get("max_examples_per_user")) != (
+                self.examples_per_user, self.max_examples_per_user):
+            raise ValueError("the DPDataLoader state was taken with other examples_per_user / max_examples_per_user")
         if int(state["pass_position"]) > self.steps:
             raise ValueError(f"pass_position {state['pass_position']} exceeds this loader's {self.steps} steps per pass")
 
@@ -248,11 +342,44 @@ def _population(n: Any) -> int:
     return int(n)
 
 
-def physical_batches(loader: Any, idx: np.ndarray) -> Iterator[Any]:
+def _user_chunks(counts: np.ndarray, m: Optional[int]) -> "list[tuple[int, int]]":
+    """(first user, end user) of each micro-batch: whole users, at most ``m`` examples each
+    (every user has at most m: see DPDataLoader)."""
+    if m is None or int(counts.sum()) <= m:
+        return [(0, len(counts))]
+    out, lo, tot = [], 0, 0
+    for u, c in enumerate(counts.tolist()):
+        if tot + c > m and u > lo:
+            out.append((lo, u))
+            lo, tot = u, 0
+        tot += c
+    out.append((lo, len(counts)))
+    return out
+
+
+def physical_batches(loader: Any, idx: np.ndarray, counts: Optional[np.ndarray] = None) -> Iterator[Any]:
     """The batches of one logical sample ``idx``, cut at ``loader.max_physical_batch_size``
     records; ``loader.logical_batch_complete`` is True on the last one (the optimizer releases
-    then), and ``loader.last_indices`` holds the records of the batch just yielded."""
+    then), and ``loader.last_indices`` holds the records of the batch just yielded. ``counts``
+    (user-level sampling): ``idx`` holds users' examples user-major, this many each; a cut
+    never splits a user, and ``loader.record_groups`` holds the batch's counts."""
     m = loader.max_physical_batch_size
+    if counts is not None:
+        bounds = _user_chunks(counts, m)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        comm = getattr(loader, "_comm", None)
+        if m is not None and getattr(loader, "equal_micro_batches", False) and comm is not None:
+            k = comm.maximum(len(bounds), "agreeing on the number of micro-batches")
+            while len(bounds) < k:  # empty micro-batches: every rank runs as many passes
+                bounds.append((len(counts), len(counts)))
+        for j, (lo, hi) in enumerate(bounds):
+            loader.logical_batch_complete = j == len(bounds) - 1
+            c = idx[starts[lo] : starts[hi]]
+            loader.last_indices = c
+            loader.record_groups = counts[lo:hi].copy()
+            yield loader._fetch(c)
+        loader.logical_batch_complete = True
+        return
     chunks = [idx] if m is None or len(idx) <= m else [idx[i : i + m] for i in range(0, len(idx), m)]
     comm = getattr(loader, "_comm", None)
     if m is not None and getattr(loader, "equal_micro_batches", False) and comm is not None:

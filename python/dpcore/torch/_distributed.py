@@ -259,7 +259,16 @@ def _default_ledger_path() -> str:
     return path
 
 
-def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
+def _unit_checked(ledger: PrivacyLedger, privacy_unit: Optional[str]) -> PrivacyLedger:
+    if privacy_unit is not None and ledger.privacy_unit != privacy_unit:
+        raise ValueError(
+            f"the ledger records privacy unit {ledger.privacy_unit!r} but this run's unit is {privacy_unit!r}: one "
+            "ledger holds one unit (give a new ledger for a run of another unit)"
+        )
+    return ledger
+
+
+def resolve_ledger(ledger: Any, comm: Optional[Communicator], privacy_unit: Optional[str] = None) -> PrivacyLedger:
     """The ledger of this process from what the user passed (a :class:`PrivacyLedger`, a path,
     or None for a temporary file).
 
@@ -272,10 +281,10 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
         raise TypeError(f"ledger must be a dpcore.PrivacyLedger, a path or None, got {type(ledger).__name__}")
     if comm is None:
         if isinstance(ledger, PrivacyLedger):
-            return ledger
+            return _unit_checked(ledger, privacy_unit)
         if ledger is None:
             ledger = _default_ledger_path()
-        return PrivacyLedger(ledger)
+        return PrivacyLedger(ledger, privacy_unit=privacy_unit)
     if comm.is_root:
         opened: Optional[PrivacyLedger] = None
         err: Optional[BaseException] = None
@@ -284,9 +293,10 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
                 opened = ledger if not ledger.is_replica else None
                 if opened is None:
                     raise ValueError("rank 0 was given a replica ledger; give it the ledger's path")
+                _unit_checked(opened, privacy_unit)
             else:
                 path = ledger if ledger is not None else _default_ledger_path()
-                opened = PrivacyLedger(path)
+                opened = PrivacyLedger(path, privacy_unit=privacy_unit)
         except BaseException as e:
             err = e
         msg = (
@@ -304,7 +314,7 @@ def resolve_ledger(ledger: Any, comm: Optional[Communicator]) -> PrivacyLedger:
         raise LedgerError(f"rank 0 could not open the ledger: {payload}")
     if isinstance(ledger, PrivacyLedger):
         if ledger.is_replica:
-            return ledger
+            return _unit_checked(ledger, privacy_unit)
         raise ValueError(
             f"rank {comm.rank}: under torch.distributed only rank 0 writes the ledger; pass the ledger's path "
             "(the same on every rank) or None on the other ranks, not an open PrivacyLedger"

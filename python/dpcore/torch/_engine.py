@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import SHARED, Contribution, gather, param_sq_norms, row_sq, shared_factors
+from ._contrib import SHARED, Contribution, Grouping, gather, param_sq_norms, row_sq, shared_factors
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
 __all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm", "MIN_FACTOR", "ON_NONFINITE"]
@@ -174,6 +174,10 @@ class PerRecordGradients:
         self.loss_reduction = loss_reduction
         self.batch_first = bool(batch_first)
         self.microbatch_size = microbatch_size
+        #: The privacy unit "user": the number of examples of each user in the next batch, in
+        #: batch order (user-major), set by the optimizer from its loader before each clip
+        #: (:attr:`dpcore.torch.DPDataLoader.record_groups`); None: a record is an example.
+        self.record_groups: Any = None
         self.enabled = True
         self.batch_hint = 0  # the last record count a layer saw (see EmbeddingRule)
         #: The factor the loss was multiplied by before backward (a GradScaler's scale): the
@@ -341,7 +345,25 @@ class PerRecordGradients:
         cs = [c for _, c in contribs]
         units = b
         k = self.microbatch_size
-        if k is not None and k > 1:
+        groups = self.record_groups
+        if groups is not None:
+            # The privacy unit "user": a user's gradient is the mean of its examples' (Charles
+            # et al. 2024, user-level sampling), clipped as one record.
+            if k is not None and k > 1:
+                raise ValueError("microbatches (MicrobatchQuery) and users as the privacy unit cannot be combined")
+            counts = torch.as_tensor(groups, dtype=torch.int64).reshape(-1).cpu()
+            if int(counts.sum()) != b or (counts.numel() and int(counts.min()) < 1):
+                raise ValueError(
+                    f"the batch holds {b} examples but its users' example counts sum to {int(counts.sum())}: with "
+                    "privacy_unit='user', step once per batch of the loader that make_private returned"
+                )
+            grouping = Grouping(counts, self.params[0].device)
+            units = grouping.units
+            w = (1.0 / counts.to(torch.float64)).repeat_interleave(counts)
+            memo: Dict[Any, torch.Tensor] = {}
+            cs = [c.group(w.to(c.param.device), grouping, memo) for c in cs]
+            del memo
+        elif k is not None and k > 1:
             units = -(-b // k)
             counts = torch.full((units,), float(k), dtype=torch.float64)
             counts[-1] = b - k * (units - 1)

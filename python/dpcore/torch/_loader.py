@@ -15,6 +15,8 @@ member                         used for (default when absent)
 ``logical_batch_complete``     whether this step releases (True: every step releases)
 ``participation``              a matrix-factorization stream's schema and alignment (None)
 ``accountant``                 :meth:`DPOptimizer.get_epsilon`'s default accountant (None)
+``record_groups``              the privacy unit "user": each user's number of examples in the
+                               batch just yielded, user-major (None: a record is an example)
 ``use_equal_micro_batches()``  under FSDP2: every rank cuts a logical batch into as many
                                micro-batches (not called when absent)
 ``state_dict()``,              checkpoints: the loader's position (not saved / not restored,
@@ -40,6 +42,7 @@ class DPLoader(Protocol):
     logical_batch_complete: bool
     participation: Any
     accountant: Optional[str]
+    record_groups: Any
 
     def use_equal_micro_batches(self) -> None: ...
     def state_dict(self) -> Dict[str, Any]: ...
@@ -80,6 +83,10 @@ class LoaderView:
     def accountant(self) -> Optional[str]:
         acct = _member(self.loader, "accountant")
         return acct if isinstance(acct, str) else None
+
+    @property
+    def record_groups(self) -> Any:
+        return _member(self.loader, "record_groups")
 
     def use_equal_micro_batches(self) -> None:
         fn = _member(self.loader, "use_equal_micro_batches")

@@ -419,6 +419,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._noise.before_release(self._releases, drawn, loader)
         try:  # clip (a non-finite record is zeroed here, or raises with on_nonfinite="raise")
             self._transport.check_captured()
+            self.engine.record_groups = loader.record_groups
             b, factors = self._queries.clip_factors(self.engine, self.on_nonfinite)
         except BaseException as e:
             self._transport.clip_failed(self._releases, e, releasing)
@@ -450,6 +451,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._watch.check(self.engine)
         self._scaler.sync(self, self.engine, getattr(self, "grad_scale", None))
         try:
+            self.engine.record_groups = LoaderView(self.data_loader).record_groups
             b, factors = self._queries.clip_factors(self.engine, self.on_nonfinite)
         except BaseException:
             self._batch.discard()
