@@ -39,6 +39,17 @@ def model(init_seed: int, kind: str = "mlp") -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, K))
 
 
+def user_ids():
+    """The user of each of the N examples (user-level tests): 60 users with 1 to 9 examples, in
+    no particular order."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    counts = np.concatenate([np.full(20, 1), np.full(20, 3), rng.integers(4, 10, 20)])
+    counts[-1] += N - counts.sum()
+    return rng.permutation(np.repeat(np.arange(60), counts))
+
+
 def empty_steps(opts: dict, rank: int) -> set:
     """The logical steps at which this rank's batch is replaced by an empty one (``empty0=1,3``:
     rank 0 at steps 1 and 3), as a Poisson sample of no record would be."""
@@ -124,6 +135,8 @@ def main() -> None:
         ds = TensorDataset(torch.randn(N, 200), torch.zeros(N, 100))
     else:
         ds = dataset()
+    if "users" in opts:  # the privacy unit "user": users sampled, at most k examples each
+        kw.update(privacy_unit="user", user_ids=user_ids(), examples_per_user=int(opts["users"]))
     if opts.get("adaptive") == "1":
         kw["query"] = adaptive_query(clip, z, batch, N)
     else:
@@ -133,7 +146,7 @@ def main() -> None:
     net, opt, loader = make_private(net, opt, DataLoader(ds, batch_size=batch), ledger=ledger, seed=seed,
                                     loss_reduction=reduction, **kw)
     loader.steps = steps
-    result: dict = {"indices": [], "sizes": [], "errors": None, "completed": 0, "clips": []}
+    result: dict = {"indices": [], "sizes": [], "errors": None, "completed": 0, "clips": [], "groups": []}
     emptied = empty_steps(opts, rank)
     # the common loop: forward and backward also on an empty batch (else skipped, as the docs allow)
     always = opts.get("always_backward") == "1"
@@ -148,6 +161,8 @@ def main() -> None:
             if result["completed"] in emptied:
                 x, y, idx = x[:0], y[:0], idx[:0]
             cur.append(idx)
+            if getattr(loader, "record_groups", None) is not None:
+                result["groups"].append(loader.record_groups.copy())
             opt.zero_grad()
             if rank == 1 and result["completed"] == nan_at and len(x):
                 x = x.clone()

@@ -289,3 +289,132 @@ def test_resume_with_other_user_ids_is_refused():
                                   examples_per_user=bound)
         with pytest.raises(ValueError, match="other user ids|other examples_per_user"):
             opt2.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- data-parallel
+
+
+def test_two_gloo_ranks_sample_users_and_release_like_one_process(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import dist_worker
+    from test_torch_distributed import _ok, launch, load
+
+    _ok(launch("train", tmp_path, seed=11, steps=3, users=4, batch=12, physical=8), tmp_path)
+    r0, r1 = load(tmp_path, 0), load(tmp_path, 1)
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+    ids = dist_worker.user_ids()
+    users = np.unique(ids)
+    number = dpcore.sampling.UserIndex(ids).user_of  # users numbered by their first example
+    ds = dist_worker.dataset()
+    net = dist_worker.model(100)
+    q = 12 / len(users)
+    opt = DPOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), model=net, noise_multiplier=0.0, max_grad_norm=0.5,
+                      expected_batch_size=q * len(users), ledger=_ledger(), data_loader=_Users([1]))
+    g0, g1 = iter(r0["groups"]), iter(r1["groups"])
+    for i0, i1 in zip(r0["indices"], r1["indices"]):
+        # rank r sampled users r, r + 2, ... (of the sorted ids); each user's examples together
+        parts = []
+        for idx, groups, rank in ((i0, g0, 0), (i1, g1, 1)):
+            counts = []
+            while sum(counts) < len(idx):
+                counts += list(next(groups))
+            assert sum(counts) == len(idx)
+            starts = np.concatenate([[0], np.cumsum(counts)])
+            for a, b in zip(starts[:-1], starts[1:]):
+                u = np.unique(number[idx[a:b]])
+                assert len(u) == 1 and int(u[0]) % 2 == rank and b - a <= 4
+            parts.append((idx, counts))
+        idx = np.concatenate([p[0] for p in parts])
+        opt.data_loader = _Users(parts[0][1] + parts[1][1])
+        x, y = ds.tensors[0][torch.from_numpy(idx)], ds.tensors[1][torch.from_numpy(idx)]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.ledger.record_sample(len(users), q, "poisson", seeded=True, examples_per_user=4)
+        opt.step()
+    for a, b in zip(r0["params"], net.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(a, b) for a, b in zip(r0["params"], r0["before"]))
+
+
+# ----------------------------------------------------------------------------- bf16, LoRA
+
+
+@pytest.mark.parametrize("family", ["linear", "conv2d", "attention", "embedding", "groupnorm"])
+def test_user_release_under_bf16_autocast(family):
+    """4u (u = 2⁻⁸) of the largest entry, as tests/test_torch_amp.py states for examples: the
+    brute force runs under the same autocast."""
+    make, x = FAMILIES[family]
+    torch.manual_seed(0)
+    model = make()
+    users = GROUPINGS["uneven"]
+
+    def loss_of(m, i):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x[i])
+        return ce(out.float(), Y[i])
+
+    clip, ref, norms = user_brute_force(model, loss_of, users)
+    got, names = user_release(model, loss_of, [i for u in users for i in u], [len(u) for u in users], clip, 7.0)
+    scale = max(float(r.abs().max()) for r in ref) / 7.0
+    for name, g, r in zip(names, got, ref):
+        err = float((g.double() - r / 7.0).abs().max())
+        assert err <= 4 * 2.0**-8 * scale, (name, err / scale)
+
+
+def test_user_release_lora_through_peft():
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from test_torch_hf import gpt2, lm_loss, lora
+
+    model = lora(gpt2(), ["c_attn"])
+    users = [[4, 0], [2], [1, 3]]
+    clip, ref, norms = user_brute_force(model, lm_loss, users)
+    assert min(norms) < clip < max(norms)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, names = user_release(model, lm_loss, [i for u in users for i in u], [len(u) for u in users], clip, 7.0)
+    assert names and all("lora" in n for n in names)
+    scale = max(float(r.abs().max()) for r in ref) / 7.0
+    for name, g, r in zip(names, got, ref):
+        np.testing.assert_allclose(g.double().numpy(), (r / 7.0).numpy(), rtol=2e-4, atol=2e-4 * scale, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- grey-box
+
+
+@pytest.mark.parametrize("micro", [None, 6])
+def test_greybox_users_as_neighbours(micro):
+    """The grey-box harness with users as the neighbouring unit: the run on D and on D without
+    its largest (or smallest) user release through the same control flow, ledger, denominator
+    and noise, and the pre-noise sums differ by at most C."""
+    from dpcore.audit import neighbour_audit, users_last
+
+    g = torch.Generator().manual_seed(2)
+    users = np.repeat(np.arange(12), [1, 2, 3, 7, 1, 2, 4, 9, 1, 1, 5, 2])
+    n = len(users)
+    x, y = torch.randn(n, 5, generator=g).numpy(), torch.randint(0, 3, (n,), generator=g).numpy()
+    for kind in ("largest_user", "smallest_user"):
+        cols = users_last((x, y, users), 2, kind)
+
+        def train(c, seed):
+            xs, ys, ids = c
+            net = _mlp()
+            data = torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.from_numpy(xs), torch.from_numpy(ys)), batch_size=4)
+            net, opt, loader = make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), data,
+                                            noise_multiplier=1.0, max_grad_norm=1.0, seed=seed, ledger=_ledger(),
+                                            population_size=12, privacy_unit="user", user_ids=ids,
+                                            examples_per_user=6, max_physical_batch_size=micro)
+            loader.steps = 3
+            for xb, yb in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(net(xb), yb).backward()
+                opt.step()
+
+        res = neighbour_audit(train, cols, (kind,), user_column=2)
+        assert not res.findings, res.table()
+        assert all(r.releases == 3 for r in res.runs)

@@ -94,7 +94,7 @@ def _ids_array(user_ids: Any) -> np.ndarray:
 class UserIndex:
     """The examples of each user, from ``user_ids`` (one id per example; integers or strings).
 
-    Users are numbered 0..U-1 in the order of their sorted ids. ``num_examples``: the length the
+    Users are numbered 0..U-1 in the order of their first example. ``num_examples``: the length the
     ids must have (the dataset's), checked here so that a misaligned array fails before anything
     is drawn or recorded. :attr:`fingerprint` identifies the ids (a checkpoint stores it; a
     resume with other ids is refused)."""
@@ -105,7 +105,14 @@ class UserIndex:
             raise ValueError(f"user_ids has {len(ids)} ids but the dataset has {int(num_examples)} examples: give one id per example")
         if len(ids) == 0:
             raise ValueError("user_ids is empty: the dataset has no examples")
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        # users numbered in the order of their first example: a user whose examples all come
+        # last (a neighbour data set with one user added at the end) leaves the others' numbers
+        # (and so their samples under a seed) unchanged
+        order = np.argsort(first, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        uniq, inverse = uniq[order], rank[inverse.reshape(-1)]
         self.num_examples = int(len(ids))
         #: U: the users that have examples here
         self.num_users = int(len(uniq))
