@@ -418,3 +418,86 @@ def test_greybox_users_as_neighbours(micro):
         res = neighbour_audit(train, cols, (kind,), user_column=2)
         assert not res.findings, res.table()
         assert all(r.releases == 3 for r in res.runs)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("grouping", sorted(GROUPINGS))
+def test_user_release_equals_brute_force_on_cuda(family, grouping):
+    dev = torch.device("cuda")
+    make, x = FAMILIES[family]
+    torch.manual_seed(0)
+    model = make().to(dev)
+    users = GROUPINGS[grouping]
+    xd, yd = x.to(dev), Y.to(dev)
+
+    def loss_of(m, i):
+        return ce(m(xd[i]), yd[i])
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # float32 against float32 (see tests/test_cuda.py)
+    try:
+        clip, ref, norms = user_brute_force(model, loss_of, users)
+        got, names = user_release(model, loss_of, [i for u in users for i in u], [len(u) for u in users], clip, 7.0)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    scale = max(float(r.abs().max()) for r in ref) / 7.0
+    for name, g, r in zip(names, got, ref):
+        assert g.device.type == "cuda", name
+        np.testing.assert_allclose(g.double().cpu().numpy(), (r / 7.0).cpu().numpy(), rtol=2e-4, atol=2e-4 * scale,
+                                   err_msg=name)
+
+
+def test_a_dataset_that_changes_size_between_epochs_is_refused():
+    x = torch.randn(len(IDS), 5)
+    y = torch.zeros(len(IDS), dtype=torch.long)
+
+    class Growing(torch.utils.data.Dataset):
+        n = len(IDS)
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return x[i % len(IDS)], y[i % len(IDS)]
+
+    ds = Growing()
+    model = _mlp()
+    _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  torch.utils.data.DataLoader(ds, batch_size=5), noise_multiplier=1.0,
+                                  max_grad_norm=1.0, ledger=_ledger(), privacy_unit="user", user_ids=IDS,
+                                  examples_per_user=2)
+    ds.n += 1
+    before = len(opt.ledger.samples)
+    with pytest.raises(ValueError, match="users of a run are fixed"):
+        next(iter(loader))
+    assert len(opt.ledger.samples) == before
+
+
+@pytest.mark.parametrize("sampler, kw", [("truncated_poisson", {"max_batch_size": 4}), ("balls_in_bins", {}),
+                                         ("random_allocation", {"num_selected": 2})])
+def test_other_samplers_draw_users(sampler, kw):
+    ds = _data()
+    model = _mlp()
+    _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  torch.utils.data.DataLoader(ds, batch_size=2), noise_multiplier=1.0,
+                                  max_grad_norm=1.0, ledger=_ledger(), seed=4, sampler=sampler, privacy_unit="user",
+                                  user_ids=IDS, examples_per_user=3, **kw)
+    seen = []
+    for x, y in loader:
+        counts, idx = loader.record_groups, loader.last_indices
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        seen += [IDS[idx[a]] for a in starts[:-1]]
+        for a, b in zip(starts[:-1], starts[1:]):
+            assert len(set(IDS[idx[a:b]])) == 1 and b - a <= 3
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if sampler != "truncated_poisson":  # every user in the epoch's (round's) batches
+        assert sorted(set(seen)) == sorted(set(IDS))
+    led = opt.ledger
+    assert led.privacy_unit == "user" and all(s.population_size == 5 for s in led.samples)
+    assert led.num_releases == len(loader) and np.isfinite(opt.get_epsilon(1e-5))

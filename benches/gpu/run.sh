@@ -108,7 +108,7 @@ step() {
 
 cd "$root"
 if [ $dry = 1 ]; then
-    want tests && step "CUDA tests (skipped without a GPU)" 300 "$py" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+    want tests && step "CUDA tests (skipped without a GPU)" 300 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider
     want profile && step "profile_step" 300 "$py" benches/gpu/profile_step.py --device cpu --models mlp \
         --steps 2 --warmup 1 --top 5
     want torch && step "bench_torch" 300 "$py" benches/bench_torch.py --device cpu --models mlp \
@@ -121,7 +121,7 @@ if [ $dry = 1 ]; then
     want noise && step "bench_device_noise" 120 "$py" benches/bench_device_noise.py --devices cpu \
         --sizes 10000 --blocks 1 --peak-n 10000 --json "$out/noise.json"
 elif [ $fast = 1 ]; then
-    want tests && step "CUDA tests" 90 "$py" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
+    want tests && step "CUDA tests" 90 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
     want profile && step "profile_step (where the time goes)" 45 "$py" benches/gpu/profile_step.py --models transformer \
         --bf16 --steps 10 --warmup 6 --top 12
     want torch && step "bench_torch" 100 "$py" benches/bench_torch.py --device cuda --models transformer cnn \
@@ -130,7 +130,7 @@ elif [ $fast = 1 ]; then
     want trainer && step "bench_trainer (GPT-2 small shape, bf16)" 75 "$py" benches/bench_trainer.py --device cuda \
         --size small --bf16 --modes lora full --steps 5 --warmup 2 --rounds 1 --json "$out/trainer.json"
 else
-    want tests && step "CUDA tests" 110 "$py" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
+    want tests && step "CUDA tests" 110 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
     want noise && step "bench_device_noise (10^8 float32)" 40 "$py" benches/bench_device_noise.py --devices cuda \
         --sizes 1000000 100000000 --blocks 3 --peak-n 100000000 --json "$out/noise.json"
     want profile && step "profile_step (where the time goes)" 90 "$py" benches/gpu/profile_step.py --models transformer cnn \

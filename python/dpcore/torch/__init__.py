@@ -216,9 +216,10 @@ def make_private(
       number of examples) and clipped one by one; ε is stated for a user, accounted as up to K
       examples each sampled independently (a mixture of Gaussians).
 
-    The ledger records the unit (a ledger of another unit is refused), the user population and
-    the bound. Poisson sampling only; not with matrix-factorization noise or ``query=``
-    microbatches.
+    User-level sampling works with ``sampler=`` (truncated Poisson, balls-in-bins, random
+    allocation then draw users); the bound K with Poisson sampling. The ledger records the unit
+    (a ledger of another unit is refused), the user population and the bound. Not with
+    ``sampler="shuffle"``, matrix-factorization noise or ``query=`` microbatches.
 
     **Non-finite records.** ``on_nonfinite="zero"`` (the default): a record whose per-record
     gradient is NaN or infinite (bad data, an overflow) contributes exactly zero, in every
@@ -297,10 +298,12 @@ def make_private(
 
         if not isinstance(user_ids, UserIndex):  # checked before anything is opened or recorded
             user_ids = UserIndex(user_ids, len(data_loader.dataset))  # type: ignore[arg-type]
-    if users and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) != "poisson"):
+    if users and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) == "shuffle"
+                  or (max_examples_per_user is not None and _adapters.resolve_sampler(sampler, poisson_sampling) != "poisson")):
         raise ValueError(
-            "privacy_unit='user' samples users (or bounds them) with Poisson sampling; it is not yet available with "
-            "other samplers or matrix-factorization noise"
+            "privacy_unit='user' samples users with the registered samplers (Poisson, truncated Poisson, balls-in-bins, "
+            "random allocation) or bounds them with Poisson sampling of examples (max_examples_per_user); it is not "
+            "yet available with sampler='shuffle' or matrix-factorization noise"
         )
     if population_size is not None and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) != "poisson"):
         raise ValueError(
@@ -363,6 +366,7 @@ def make_private(
         loader = SamplerDataLoader.from_data_loader(
             data_loader, kind, ledger=ledger, max_batch_size=max_batch_size, num_selected=num_selected,
             max_physical_batch_size=max_physical_batch_size, seed=seed,
+            **({"user_ids": user_ids, "examples_per_user": examples_per_user} if users else {}),
         )
         expected = loader.expected_batch_size
     else:
@@ -694,8 +698,15 @@ def _with_epsilon_sampled(
     acct = _adapters.calibration_accountant(kind, accountant)
     count("epochs", epochs, 1)
     ds = data_loader.dataset
+    n = len(ds)  # type: ignore[arg-type]
+    if _adapters.check_privacy_unit(kwargs.get("privacy_unit", "example"), kwargs.get("user_ids"),
+                                    kwargs.get("examples_per_user"), kwargs.get("max_examples_per_user")):
+        from ..sampling import UserIndex
+
+        kwargs["user_ids"] = index = UserIndex(kwargs["user_ids"], n)
+        n = index.num_users  # the sampler draws users
     probe = _adapters.build(
-        kind, len(ds), data_loader.batch_size,  # type: ignore[arg-type]
+        kind, n, data_loader.batch_size,  # type: ignore[arg-type]
         max_batch_size=kwargs.get("max_batch_size"), num_selected=kwargs.get("num_selected", 1),
     )
     params = probe.parameters()

@@ -257,6 +257,11 @@ class DPDataLoader:
         return idx, None
 
     def __iter__(self) -> Iterator[Any]:
+        if self.users is not None and len(self.dataset) != self.users.num_examples:  # type: ignore[arg-type]
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} examples but its user_ids were given for "  # type: ignore[arg-type]
+                f"{self.users.num_examples}: the users of a run are fixed when the loader is built"
+            )
         start, self._resume_at = self._resume_at, None
         self._pass_done = 0 if start is None or start >= self.steps else start
         while self._pass_done < self.steps:

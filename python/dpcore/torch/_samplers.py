@@ -27,10 +27,26 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from .. import _adapters
+from .._seeds import derive_seed
+from ..sampling import UserIndex, check_examples_per_user
 from ._data import empty_batch, physical_batches
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["SamplerDataLoader"]
+
+
+class _UserBound:
+    """The ledger a sampler records user samples in: each sample entry carries the
+    ``examples_per_user`` bound (user-level sampling), which the sampler itself knows nothing of."""
+
+    def __init__(self, ledger: Any, examples_per_user: int) -> None:
+        self.ledger, self.examples_per_user = ledger, examples_per_user
+
+    def record_sample(self, *args: Any, **kw: Any) -> int:
+        return self.ledger.record_sample(*args, examples_per_user=self.examples_per_user, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
 
 
 def refuse_distributed(kind: str) -> None:
@@ -76,6 +92,9 @@ class SamplerDataLoader:
         *,
         max_physical_batch_size: Optional[int] = None,
         collate_fn: Optional[Callable[[Any], Any]] = None,
+        user_ids: Any = None,
+        examples_per_user: Optional[int] = None,
+        seed: Optional[int] = None,
     ) -> None:
         kind = getattr(sampler, "policy", None)
         if kind not in _adapters.DRAWN:
@@ -87,6 +106,25 @@ class SamplerDataLoader:
         if isinstance(dataset, IterableDataset):
             raise TypeError(f"sampler={kind!r} needs a map-style dataset (len() and indexing), not an IterableDataset")
         n = len(dataset)  # type: ignore[arg-type]
+        #: user-level sampling: the sampler draws users, each gives at most k examples
+        self.users: Optional[UserIndex] = None
+        self.examples_per_user: Optional[int] = None
+        self.record_groups: Optional[np.ndarray] = None
+        self._seed = seed
+        if user_ids is not None:
+            self.users = user_ids if isinstance(user_ids, UserIndex) else UserIndex(user_ids, n)
+            self.examples_per_user = check_examples_per_user("examples_per_user", examples_per_user)
+            if max_physical_batch_size is not None and int(max_physical_batch_size) < self.examples_per_user:
+                raise ValueError(
+                    f"max_physical_batch_size ({max_physical_batch_size}) must be >= examples_per_user "
+                    f"({self.examples_per_user}): a micro-batch never splits a user's examples"
+                )
+            if not isinstance(getattr(sampler, "_ledger", None), _UserBound):
+                raise ValueError("a user-level sampler records its samples with their bound: build the loader with "
+                                 "SamplerDataLoader.from_data_loader(..., user_ids=, examples_per_user=)")
+            n = self.users.num_users
+        elif examples_per_user is not None:
+            raise ValueError("examples_per_user needs user_ids")
         if n != sampler.population_size:
             raise ValueError(f"the sampler draws from {sampler.population_size} records but the dataset has {n}")
         if getattr(sampler, "ledger", None) is None:
@@ -96,7 +134,8 @@ class SamplerDataLoader:
         self.dataset = dataset
         self.n = n
         self.sampler = sampler
-        self.ledger = sampler.ledger
+        led = sampler.ledger
+        self.ledger = led.ledger if isinstance(led, _UserBound) else led
         self.max_physical_batch_size = None if max_physical_batch_size is None else int(max_physical_batch_size)
         self.collate_fn = collate_fn or default_collate
         self.logical_batch_complete = True
@@ -115,6 +154,8 @@ class SamplerDataLoader:
         num_selected: int = 1,
         max_physical_batch_size: Optional[int] = None,
         seed: Optional[int] = None,
+        user_ids: Any = None,
+        examples_per_user: Optional[int] = None,
     ) -> "SamplerDataLoader":
         """The ``sampler`` version of a DataLoader, for its ``batch_size`` bs (expected batch):
         truncated Poisson at q = bs/n capped at ``max_batch_size``, balls-in-bins with
@@ -133,11 +174,19 @@ class SamplerDataLoader:
         n = len(ds)  # type: ignore[arg-type]
         if n < 1:
             raise ValueError("dataset is empty")
-        led = resolve_ledger(ledger, None)
+        users = None
+        if user_ids is not None:  # user-level sampling: the sampler draws users (bs: users per step)
+            users = user_ids if isinstance(user_ids, UserIndex) else UserIndex(user_ids, n)
+            n = users.num_users
+            check_examples_per_user("examples_per_user", examples_per_user)
+        led: Any = resolve_ledger(ledger, None, None if users is None else "user")
+        if users is not None:
+            led = _UserBound(led, int(examples_per_user))  # type: ignore[arg-type]
         s = _adapters.build(
             sampler, n, bs, max_batch_size=max_batch_size, num_selected=num_selected, seed=seed, ledger=led
         )
-        return cls(ds, s, max_physical_batch_size=max_physical_batch_size, collate_fn=data_loader.collate_fn)
+        return cls(ds, s, max_physical_batch_size=max_physical_batch_size, collate_fn=data_loader.collate_fn,
+                   user_ids=users, examples_per_user=examples_per_user, seed=seed)
 
     # -- what the loader is ---------------------------------------------------------------
 
@@ -190,7 +239,11 @@ class SamplerDataLoader:
         for _ in range(t - int(self.sampler.position) % t):
             idx = self.sampler.draw()  # recorded in the ledger; written with its release
             self.samples_drawn += 1
-            yield from physical_batches(self, idx)
+            counts = None
+            if self.users is not None:
+                idx, counts = self.users.choose(idx, self.examples_per_user, seed=derive_seed(self._seed, 0x05E5),
+                                                draw=self.samples_drawn)
+            yield from physical_batches(self, idx, counts)
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -203,6 +256,7 @@ class SamplerDataLoader:
             "sampler": self.sampler.state_dict(),
             "samples_drawn": int(self.samples_drawn),
             "logical_batch_complete": bool(self.logical_batch_complete),
+            **({} if self.users is None else {"users": self.users.fingerprint, "examples_per_user": self.examples_per_user}),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -222,6 +276,10 @@ class SamplerDataLoader:
             )
         if not self.logical_batch_complete:
             raise ValueError("this loader is in the middle of a logical batch; restore a checkpoint before iterating")
+        if state.get("users") != (None if self.users is None else self.users.fingerprint) or (
+                self.users is not None and state.get("examples_per_user") != self.examples_per_user):
+            raise ValueError("the loader state was taken with other user ids or examples_per_user than this loader's: a "
+                             "user-level run resumes only over the same users")
         self.sampler.check_state_dict(state.get("sampler"))
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
