@@ -60,6 +60,14 @@ def _ids_array(user_ids: Any) -> np.ndarray:
         pass
     if isinstance(user_ids, (str, bytes)):
         raise TypeError("user_ids must be a sequence of ids (one per example), not a single string")
+    if not isinstance(user_ids, np.ndarray):
+        # a list mixing 1 and "1" would become one string array (one user): look at each id
+        user_ids = list(user_ids)
+        obj = np.empty(len(user_ids), dtype=object)
+        obj[:] = user_ids
+        if any(isinstance(v, (list, tuple, np.ndarray)) for v in user_ids[:1]):
+            obj = np.asarray(user_ids)
+        user_ids = obj
     ids = np.asarray(user_ids)
     if ids.ndim != 1:
         raise ValueError(f"user_ids must be one-dimensional (one id per example), got shape {ids.shape}")
@@ -82,7 +90,9 @@ def _ids_array(user_ids: Any) -> np.ndarray:
         for i, v in enumerate(ids):
             if v is None or (isinstance(v, float) and not np.isfinite(v)):
                 raise ValueError(f"user_ids must not be missing: example {i} has id {v!r}")
-            if isinstance(v, bool) or not isinstance(v, (str, bytes, numbers.Integral)):
+            if isinstance(v, float) and v == int(v):
+                ids[i] = v = int(v)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (str, bytes, numbers.Integral)):
                 raise TypeError(f"user_ids must be integers or strings: example {i} has id {v!r} ({type(v).__name__})")
         kinds = {isinstance(v, numbers.Integral) for v in ids}
         if len(kinds) > 1:
