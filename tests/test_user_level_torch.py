@@ -501,3 +501,21 @@ def test_other_samplers_draw_users(sampler, kw):
     led = opt.ledger
     assert led.privacy_unit == "user" and all(s.population_size == 5 for s in led.samples)
     assert led.num_releases == len(loader) and np.isfinite(opt.get_epsilon(1e-5))
+
+
+def test_a_resumed_example_level_run_keeps_each_users_examples():
+    ds, _, model, opt, loader = _private(4, max_examples_per_user=2)
+    kept = loader.kept.copy()
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        break
+    state = opt.state_dict()
+    for _ in range(5):  # unseeded: a fresh build draws its own bound, the resume restores the run's
+        model2 = _mlp()
+        _, opt2, loader2 = make_private(model2, torch.optim.SGD(model2.parameters(), lr=0.0),
+                                        torch.utils.data.DataLoader(_data(), batch_size=4), noise_multiplier=0.0,
+                                        max_grad_norm=0.5, ledger=opt.ledger, privacy_unit="user", user_ids=IDS,
+                                        max_examples_per_user=2)
+        opt2.load_state_dict(state)
+        assert np.array_equal(loader2.kept, kept)

@@ -19,6 +19,7 @@ is one Poisson sample of the whole dataset, recorded once as (N, q).
 from __future__ import annotations
 
 import numbers
+import secrets
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import numpy as np
@@ -138,11 +139,17 @@ class DPDataLoader:
                 self.n = self.users.num_users
             else:
                 self.max_examples_per_user = check_examples_per_user("max_examples_per_user", max_examples_per_user)
+                # The bound is drawn once for the run from a key that the checkpoint keeps, so that
+                # a resumed run keeps the same examples of each user (at most K over the whole run).
+                # Which examples are kept is not secret: the analysis takes any K of a user's.
                 comm = current_communicator()
-                if comm is None or comm.is_root:
-                    self.kept = self.users.bound(self.max_examples_per_user, seed=derive_seed(seed, 0xB0))
-                if comm is not None:  # one bound for the run: rank 0 draws it, every rank uses it
-                    self.kept = comm.share(self.kept if comm.is_root else None, "sharing the examples kept per user")
+                key = derive_seed(seed, 0xB0)
+                if key is None and (comm is None or comm.is_root):
+                    key = secrets.randbits(63)
+                if comm is not None:  # one bound for the run: rank 0's key on every rank
+                    key = comm.share(key, "sharing the key of the examples kept per user")
+                self._bound_key = int(key)  # type: ignore[arg-type]
+                self.kept = self.users.bound(self.max_examples_per_user, seed=self._bound_key)
                 self.n = len(self.kept)
         #: N: the declared (public) population size, else len(dataset) (assumed public)
         self.population_size = self.n if population_size is None else _population(population_size)
@@ -291,6 +298,7 @@ class DPDataLoader:
             **({} if self.users is None else {"users": self.users.fingerprint,
                                                "examples_per_user": self.examples_per_user,
                                                "max_examples_per_user": self.max_examples_per_user}),
+            **({} if self.kept is None else {"bound_key": self._bound_key}),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -334,6 +342,10 @@ class DPDataLoader:
         the state was taken (``steps - pass_position`` logical batches), later passes are full, and
         a seeded loader draws the same samples as an uninterrupted run."""
         self.check_state_dict(state)
+        if self.kept is not None and state.get("bound_key") is not None and int(state["bound_key"]) != self._bound_key:
+            # the bound of the run being resumed: each user keeps the same examples
+            self._bound_key = int(state["bound_key"])
+            self.kept = self.users.bound(self.max_examples_per_user, seed=self._bound_key)  # type: ignore[union-attr]
         self.samples_drawn = int(state["samples_drawn"])
         self._draws = int(state["draws"])
         self._pass_done = int(state["pass_position"])
