@@ -519,3 +519,24 @@ def test_a_resumed_example_level_run_keeps_each_users_examples():
                                         max_examples_per_user=2)
         opt2.load_state_dict(state)
         assert np.array_equal(loader2.kept, kept)
+
+
+@pytest.mark.parametrize("bound", [{"examples_per_user": 3}, {"max_examples_per_user": 3}])
+@pytest.mark.parametrize("index", [False, True])
+def test_make_private_with_epsilon_calibrates_the_user_level_target(bound, index):
+    from dpcore.plan import make_plan
+    from dpcore.torch import make_private_with_epsilon
+
+    model = _mlp()
+    ids = dpcore.sampling.UserIndex(IDS) if index else IDS
+    _, opt, loader = make_private_with_epsilon(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(_data(), batch_size=2),
+        target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0, ledger=_ledger(), privacy_unit="user",
+        user_ids=ids, **bound)
+    n = 5 if "examples_per_user" in bound else 10  # users; or examples kept: 1 + 2 + 3 + 1 + 3
+    assert loader.population_size == n
+    plan = make_plan(sampling_probability=2 / n, noise_multiplier=opt.noise_multiplier, epochs=2, privacy_unit="user",
+                     target_delta=1e-5, **bound)
+    assert len(loader) * 2 == plan.steps
+    eps = plan.epsilon()
+    assert eps <= 3.0 and eps > 2.9

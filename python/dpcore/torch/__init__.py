@@ -660,7 +660,9 @@ def make_private_with_epsilon(
     if users:
         from ..sampling import UserIndex
 
-        index = UserIndex(kwargs["user_ids"], len(data_loader.dataset))  # type: ignore[arg-type]
+        index = kwargs["user_ids"]
+        if not isinstance(index, UserIndex):
+            index = UserIndex(index, len(data_loader.dataset))  # type: ignore[arg-type]
         kwargs["user_ids"] = index  # checked once
         K = kwargs.get("max_examples_per_user")
         if n is None:
@@ -703,7 +705,8 @@ def _with_epsilon_sampled(
                                     kwargs.get("examples_per_user"), kwargs.get("max_examples_per_user")):
         from ..sampling import UserIndex
 
-        kwargs["user_ids"] = index = UserIndex(kwargs["user_ids"], n)
+        index = kwargs["user_ids"]
+        kwargs["user_ids"] = index = index if isinstance(index, UserIndex) else UserIndex(index, n)
         n = index.num_users  # the sampler draws users
     probe = _adapters.build(
         kind, n, data_loader.batch_size,  # type: ignore[arg-type]
