@@ -13,7 +13,7 @@
 # --dry-run     the same steps on the CPU with tiny sizes (a CI test runs it so the script cannot
 #               rot); nothing here is a measurement.
 # --fast        about 5 minutes: fewer models and steps (when little device time is left).
-# --only        run only these steps: tests profile torch memory trainer noise.
+# --only        run only these steps: tests profile torch memory trainer noise users.
 #
 # Each step has its own time limit, so one hang cannot eat the others' time; a step that fails
 # is reported in the summary and the script goes on. Budget on one H100/H200: about 8 minutes.
@@ -120,6 +120,8 @@ if [ $dry = 1 ]; then
         --steps 2 --warmup 1 --rounds 1 --json "$out/trainer.json"
     want noise && step "bench_device_noise" 120 "$py" benches/bench_device_noise.py --devices cpu \
         --sizes 10000 --blocks 1 --peak-n 10000 --json "$out/noise.json"
+    want users && step "bench_user_level (step time)" 300 "$py" benches/bench_user_level.py --quick --skip-accuracy \
+        --device cpu --json "$out/users.json"
 elif [ $fast = 1 ]; then
     want tests && step "CUDA tests" 90 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
     want profile && step "profile_step (where the time goes)" 45 "$py" benches/gpu/profile_step.py --models transformer \
@@ -142,5 +144,7 @@ else
         --models transformer --batches 32 128 512 1024 --seq 128 --repeats 1 --steps 2 --json "$out/memory.json"
     want trainer && step "bench_trainer (GPT-2 small shape, bf16)" 90 "$py" benches/bench_trainer.py --device cuda \
         --size small --bf16 --modes lora full --steps 10 --warmup 3 --rounds 1 --json "$out/trainer.json"
+    want users && step "bench_user_level (user-level step against example-level, transformer)" 60 "$py" \
+        benches/bench_user_level.py --skip-accuracy --device cuda --rounds 8 --json "$out/users.json"
 fi
 echo "total $(( $(date +%s) - t_start )) s" | tee -a "$summary" >&2
