@@ -569,7 +569,7 @@ def _fit_at(n: List[int], t: List[float], at: float) -> Optional[float]:
 def step_table(res: Dict[str, Any], args: argparse.Namespace) -> str:
     base = res["example"]
     lines = [
-        f"Step time, bench_torch.py's transformer (2 x TransformerEncoderLayer(256), length 128), CPU, "
+        f"Step time, bench_torch.py's transformer (2 x TransformerEncoderLayer(256), length 128), {args.device}, "
         f"{args.threads} threads: {args.warmup} warm-up steps each, then {args.rounds} alternating rounds of "
         f"{args.steps_per_round} steps each; medians",
         "",
@@ -632,7 +632,7 @@ def main() -> None:
         print(msg, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    print(f"torch {torch.__version__}, CPU, {args.threads} threads, load average {os.getloadavg()[0]:.2f} on "
+    print(f"torch {torch.__version__}, step time on {args.device}, {args.threads} threads, load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
     out: Dict[str, Any] = {"args": vars(args), "delta": DELTA}
     if not args.skip_accuracy:
