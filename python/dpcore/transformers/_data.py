@@ -14,12 +14,22 @@ release; no logical batch begun before the previous one was released).
 
 The position is the trainer's global step: a resumed run continues in the epoch where it
 stopped, without drawing (or recording) a sample for the steps it skips.
+
+The privacy unit "user" (:class:`~dpcore.sampling.UserIndex`, one id per row of the training set):
+under user-level sampling (``examples_per_user`` k) the Poisson sample draws *users* at
+q = per_device_train_batch_size × gradient_accumulation_steps / U, each sampled user gives at most
+k of its rows (ChaCha20, :meth:`UserIndex.choose`), the rows come user-major and a micro-batch
+holds whole users only; each micro-batch's :attr:`BatchTag.groups` gives its users' row counts,
+which the trainer hands to the DP optimizer as ``record_groups`` (each user's mean gradient is
+clipped as one record). Under example-level sampling with a user-level guarantee
+(``max_examples_per_user`` K) each user is bounded once to at most K rows
+(:meth:`UserIndex.bound`) and the kept rows are Poisson sampled as records.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -27,7 +37,7 @@ from ..sampling import sampler_class
 from ..ledger import PrivacyLedger
 from .._seeds import derive_seed
 from ..mechanism import gaussian_noise
-from ..sampling import poisson_sample
+from ..sampling import UserIndex, poisson_sample
 from ..torch._data import empty_batch
 
 __all__ = ["BatchTag", "DPRun", "TrainerBatches", "TAG"]
@@ -36,17 +46,23 @@ __all__ = ["BatchTag", "DPRun", "TrainerBatches", "TAG"]
 #: before the batch reaches the model).
 TAG = "_dpcore_batch"
 
+_CHOOSE_PATH = 0x05E5  # derive_seed path of a seeded run's choice of each sampled user's rows
+_BOUND_PATH = 0xB0  # derive_seed path of a seeded run's bound of each user's rows (ELS)
+
 
 @dataclass(frozen=True)
 class BatchTag:
     """Where a micro-batch sits: logical batch ``serial`` (counted from the start of the run),
-    micro-batch ``chunk`` of ``chunks``, ``records`` records of the logical batch's ``size``."""
+    micro-batch ``chunk`` of ``chunks``, ``records`` rows (examples) of the logical batch's
+    ``size``. ``groups``: under user-level sampling, the row count of each user in the
+    micro-batch, user-major (they sum to ``records``); None when a record is a row."""
 
     serial: int
     chunk: int
     chunks: int
     records: int
     size: int
+    groups: Optional[Tuple[int, ...]] = None
 
 
 class DPRun:
@@ -69,9 +85,35 @@ class DPRun:
         poisson: bool,
         seed: Optional[int],
         declared_population: Optional[int] = None,
+        users: Optional[UserIndex] = None,
+        examples_per_user: Optional[int] = None,
+        max_examples_per_user: Optional[int] = None,
     ) -> None:
         self.ledger: PrivacyLedger = ledger  # type: ignore[assignment]
-        #: the records of train_dataset (what the sampler draws from)
+        #: the rows of train_dataset
+        self.rows = int(population_size)
+        #: the privacy unit "user": each row's user (None: a record is a row)
+        self.users = users
+        self.examples_per_user = examples_per_user
+        self.max_examples_per_user = max_examples_per_user
+        #: ELS: the rows kept after bounding each user to max_examples_per_user (sorted)
+        self.kept: Optional[np.ndarray] = None
+        #: ULS: each user's row count in the micro-batch being trained on (user-major), set by
+        #: the trainer from its :class:`BatchTag`; read by the DPOptimizer (loader protocol)
+        self.record_groups: Optional[np.ndarray] = None
+        if users is not None:
+            if users.num_examples != self.rows:
+                raise ValueError(f"the user ids cover {users.num_examples} rows but train_dataset has {self.rows}")
+            if (examples_per_user is None) == (max_examples_per_user is None):
+                raise ValueError("the privacy unit 'user' needs exactly one of examples_per_user and max_examples_per_user")
+            if examples_per_user is not None:
+                population_size = users.num_users
+            else:
+                self.kept = users.bound(int(max_examples_per_user), seed=derive_seed(seed, _BOUND_PATH))  # type: ignore[arg-type]
+                population_size = len(self.kept)
+        elif examples_per_user is not None or max_examples_per_user is not None:
+            raise ValueError("examples_per_user and max_examples_per_user need the privacy unit 'user'")
+        #: the records the sampler draws from: rows (example), users (ULS), kept rows (ELS)
         self.n = int(population_size)
         #: N, the public population size q and the denominator are stated for (declared with
         #: population_size=, else len(train_dataset), assumed public)
@@ -113,6 +155,25 @@ class DPRun:
     def policy(self) -> str:
         return "poisson" if self.poisson else "shuffle"
 
+    @property
+    def privacy_unit(self) -> str:
+        """``"user"`` or ``"example"``: what one record of the ledger is."""
+        return "example" if self.users is None else "user"
+
+    @property
+    def user_level_sampling(self) -> bool:
+        """Whether the sampler draws users (ULS: ``examples_per_user``)."""
+        return self.users is not None and self.examples_per_user is not None
+
+    @property
+    def bounds(self) -> Dict[str, int]:
+        """The contribution bound each sample is recorded with (privacy unit "user"; else none)."""
+        if self.users is None:
+            return {}
+        if self.examples_per_user is not None:
+            return {"examples_per_user": int(self.examples_per_user)}
+        return {"max_examples_per_user": int(self.max_examples_per_user)}  # type: ignore[arg-type]
+
     # -- the trainer's checks ------------------------------------------------------------------
 
     def begin(self, tag: Any) -> BatchTag:
@@ -131,7 +192,8 @@ class DPRun:
                     "must be called once after every gradient_accumulation_steps micro-batches)"
                 )
             if self.poisson:
-                self.ledger.record_sample(self.population, self.sampling_probability, "poisson", seeded=self.seed is not None)
+                self.ledger.record_sample(self.population, self.sampling_probability, "poisson", seeded=self.seed is not None,
+                                          **self.bounds)
             else:
                 # q = L/n for information only: a shuffled batch gets no amplification. Each batch
                 # carries its epoch (one permutation) as a round: one query per epoch under zero-out.
@@ -164,15 +226,69 @@ class DPRun:
 
     def after_release(self) -> None:
         self._current = None
+        self.record_groups = None
 
     def abandon(self) -> None:
         """Forgets a logical batch whose training failed (nothing was released from it)."""
         self._current = None
+        self.record_groups = None
+
+    def set_groups(self, tag: BatchTag) -> None:
+        """The row counts of the users of the micro-batch ``tag`` is about to be trained on, for
+        the DP optimizer's clip (``record_groups``); checked against the privacy unit."""
+        if not self.user_level_sampling:
+            if tag.groups is not None:
+                raise RuntimeError("a micro-batch grouped by user reached a DP trainer whose record is one row")
+            self.record_groups = None
+            return
+        groups = None if tag.groups is None else np.asarray(tag.groups, dtype=np.int64).reshape(-1)
+        if groups is None or int(groups.sum()) != tag.records or (groups.size and int(groups.min()) < 1):
+            raise RuntimeError(
+                f"micro-batch {tag.chunk} of logical batch {tag.serial} does not say which of its {tag.records} rows "
+                "belong to which user: with privacy_unit='user' every batch must come from the DP trainer's loader"
+            )
+        self.record_groups = groups
+
+    def unit_state(self) -> Dict[str, Any]:
+        """The privacy unit as a checkpoint states it: the unit, the users' fingerprint
+        (:attr:`UserIndex.fingerprint`) and the contribution bounds."""
+        return {
+            "privacy_unit": self.privacy_unit,
+            "users": None if self.users is None else self.users.fingerprint,
+            "examples_per_user": self.examples_per_user,
+            "max_examples_per_user": self.max_examples_per_user,
+        }
+
+    def check_unit_state(self, state: Mapping[str, Any], where: str) -> None:
+        """Refuses (ValueError) a checkpoint taken with another privacy unit, other user ids or
+        other contribution bounds (a state without them is an example-level run's)."""
+        saved = state.get("privacy_unit", "example")
+        if saved != self.privacy_unit:
+            raise ValueError(
+                f"{where} was saved by a run whose privacy unit is {saved!r}, but this trainer's is "
+                f"{self.privacy_unit!r}: a run resumes with its own unit"
+            )
+        if self.users is None:
+            return
+        if state.get("users") != self.users.fingerprint:
+            raise ValueError(
+                f"{where} was saved with other user ids than this trainer's user_id_column holds (fingerprint "
+                f"{state.get('users')!r}, now {self.users.fingerprint!r}): a user-level run resumes only over the "
+                "same users, each with the same rows"
+            )
+        for key in ("examples_per_user", "max_examples_per_user"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(f"{where} was saved with {key}={state.get(key)!r}; this trainer has {getattr(self, key)!r}")
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"samples_drawn": self.samples_drawn}
+        return {"samples_drawn": self.samples_drawn, **self.unit_state()}
+
+    def check_state_dict(self, state: Any) -> None:
+        if isinstance(state, Mapping):
+            self.check_unit_state(state, "the DP optimizer's checkpoint")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.check_state_dict(state)
         self.samples_drawn = int(state.get("samples_drawn", self.samples_drawn))
 
 
@@ -201,10 +317,17 @@ class TrainerBatches:
     def __len__(self) -> int:
         return self.run.steps_per_epoch * self.run.accumulation
 
-    def _indices(self, serial: int, epoch: int, k: int) -> np.ndarray:
+    def _indices(self, serial: int, epoch: int, k: int) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+        """The rows of logical batch ``serial``; under user-level sampling (the rows user-major,
+        each sampled user's row count)."""
         run = self.run
         if run.poisson:
-            return poisson_sample(run.n, run.sampling_probability, seed=derive_seed(run.seed, serial))
+            idx = poisson_sample(run.n, run.sampling_probability, seed=derive_seed(run.seed, serial))
+            if run.kept is not None:  # ELS: a sample of the rows kept per user
+                return run.kept[idx]
+            if run.users is not None:  # ULS: a sample of users, at most k rows each
+                return run.users.choose(idx, run.examples_per_user, seed=derive_seed(run.seed, _CHOOSE_PATH), draw=serial)
+            return idx
         # One permutation per epoch, from ChaCha20 keys (OS-keyed; derived from the test seed when
         # given). A resumed epoch draws a new one: a shuffled batch gets no amplification, so the
         # accounting does not depend on which permutation.
@@ -239,8 +362,22 @@ class TrainerBatches:
         run._epoch_round = None  # a new iteration: a new permutation, so a new round
         for k in range(first, spe):
             serial = epoch * spe + k
-            idx = self._indices(serial, epoch, k)
-            for c, part in enumerate(np.array_split(idx, ga)):
+            got = self._indices(serial, epoch, k)
+            if isinstance(got, tuple):  # user-level sampling: whole users per micro-batch
+                idx, counts = got
+                ends = np.cumsum(counts)
+                cuts = [0, *(int(np.searchsorted(ends, len(idx) * j / ga, side="right")) for j in range(1, ga)),
+                        len(counts)]
+                for c in range(ga):
+                    lo, hi = cuts[c], max(cuts[c], cuts[c + 1])
+                    a = int(ends[lo - 1]) if lo > 0 else 0
+                    b = int(ends[hi - 1]) if hi > 0 else 0
+                    part = idx[a:b]
+                    batch = self._fetch(part)
+                    batch[TAG] = BatchTag(serial, c, ga, len(part), len(idx), tuple(int(x) for x in counts[lo:hi]))
+                    yield batch
+                continue
+            for c, part in enumerate(np.array_split(got, ga)):
                 batch = self._fetch(part)
-                batch[TAG] = BatchTag(serial, c, ga, len(part), len(idx))
+                batch[TAG] = BatchTag(serial, c, ga, len(part), len(got))
                 yield batch

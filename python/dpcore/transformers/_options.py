@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from .._adapters import check_noise_or_target
+from ..sampling import check_examples_per_user
 from .._names import MF_NOISE, noise_mechanism as noise_mechanism_name
 from .._validate import positive as _positive
 from ..ledger import PrivacyLedger
@@ -45,6 +46,55 @@ class _DPOptions:
     seed: Optional[int]
     on_nonfinite: str = "zero"
     population_size: Optional[int] = None
+    #: "example" or "user" (:data:`PRIVACY_UNITS`); the three below are set with "user" only
+    privacy_unit: str = "example"
+    user_id_column: Optional[str] = None
+    examples_per_user: Optional[int] = None
+    max_examples_per_user: Optional[int] = None
+
+
+#: The privacy units of the DP trainer (``privacy_unit=``): one example (a row of
+#: train_dataset), or all the rows of one user (``user_id_column=``).
+PRIVACY_UNITS = ("example", "user")
+
+
+def _check_privacy_unit(
+    privacy_unit: Any, user_id_column: Any, examples_per_user: Any, max_examples_per_user: Any, sampler: str
+) -> bool:
+    """Whether the unit is the user, after checking the unit's keywords together (the rule of
+    :func:`dpcore._adapters.check_privacy_unit`, with the trainer's ``user_id_column=`` for
+    ``user_ids=``)."""
+    if privacy_unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
+    if privacy_unit == "example":
+        given = [k for k, v in (("user_id_column", user_id_column), ("examples_per_user", examples_per_user),
+                                ("max_examples_per_user", max_examples_per_user)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need privacy_unit='user' (the default unit is one example)")
+        return False
+    if user_id_column is None:
+        raise TypeError(
+            "privacy_unit='user' needs user_id_column=: the name of the train_dataset column that holds each "
+            "example's user id"
+        )
+    if not isinstance(user_id_column, str) or not user_id_column:
+        raise TypeError(f"user_id_column must be a column name (a non-empty str), got {user_id_column!r}")
+    if (examples_per_user is None) == (max_examples_per_user is None):
+        raise ValueError(
+            "privacy_unit='user' needs exactly one of examples_per_user=k (users are sampled; each gives the mean "
+            "of at most k of its examples) and max_examples_per_user=K (each user bounded to K examples; examples "
+            "are sampled)"
+        )
+    if examples_per_user is not None:
+        check_examples_per_user("examples_per_user", examples_per_user)
+    else:
+        check_examples_per_user("max_examples_per_user", max_examples_per_user)
+    if sampler != "poisson":
+        raise ValueError(
+            f"privacy_unit='user' samples users (or the examples kept per user) with Poisson sampling; "
+            f"sampler={sampler!r} is not available with it"
+        )
+    return True
 
 
 def _dp_options(
@@ -66,6 +116,10 @@ def _dp_options(
     poisson_sampling: Optional[bool] = None,
     on_nonfinite: str = "zero",
     population_size: Optional[int] = None,
+    privacy_unit: str = "example",
+    user_id_column: Optional[str] = None,
+    examples_per_user: Optional[int] = None,
+    max_examples_per_user: Optional[int] = None,
     _stacklevel: int = 3,
 ) -> _DPOptions:
     """The checks that need neither the model nor the data, made once, before the Trainer is
@@ -144,6 +198,7 @@ def _dp_options(
             raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
         if sampler != "poisson":
             raise ValueError("population_size= declares the public N of Poisson sampling (q = batch/N, denominator q·N)")
+    users = _check_privacy_unit(privacy_unit, user_id_column, examples_per_user, max_examples_per_user, sampler)
     if ledger_ahead not in ("refuse", "keep"):
         raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
     if ledger is not None and not isinstance(ledger, (PrivacyLedger, str, os.PathLike)):
@@ -153,4 +208,7 @@ def _dp_options(
         max_grad_norm=max_grad_norm, ledger=ledger, sampler=sampler, clipping=clipping, joint_scales=scales,
         noise_mechanism=nm, delta=delta, per_record_loss=per_record_loss, accountant=accountant,
         ledger_ahead=ledger_ahead, seed=seed, on_nonfinite=on_nonfinite, population_size=population_size,
+        privacy_unit="user" if users else "example", user_id_column=user_id_column if users else None,
+        examples_per_user=None if examples_per_user is None else int(examples_per_user),
+        max_examples_per_user=None if max_examples_per_user is None else int(max_examples_per_user),
     )

@@ -16,6 +16,11 @@ What changes against the plain Trainer, and why:
   set to 0: the DP ``max_grad_norm`` is the per-record bound C.
 * **Accounting.** ε at ``delta`` is added to every log; each checkpoint gets a copy of the ledger
   and ``dp_state.json``.
+* **Privacy unit.** ``privacy_unit="user"`` with ``user_id_column=`` (a column of train_dataset,
+  read once at construction and removed from every batch) makes a record all the rows of one user:
+  ``examples_per_user=k`` samples users (each sampled user's mean gradient over at most k of its
+  rows is clipped as one record), ``max_examples_per_user=K`` bounds each user to K rows and
+  samples rows; ε is then user-level.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import os
 import re
 import shutil
 import warnings
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 import transformers
@@ -37,10 +44,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..plan import calibrate_noise, steps_for_epochs
 from ..ledger import PrivacyLedger
+from ..sampling import UserIndex
 from ..torch import DPOptimizer
+from ..torch._distributed import resolve_ledger
 from ._data import TAG, BatchTag, DPRun, TrainerBatches
 from ._loss import default_per_record_loss
-from ._options import CLIPPING, SAMPLERS, _DPOptions, _dp_options  # noqa: F401 (CLIPPING, SAMPLERS: public here)
+from ._options import CLIPPING, PRIVACY_UNITS, SAMPLERS, _DPOptions, _dp_options  # noqa: F401 (public here)
 
 __all__ = ["DPTrainer", "DPTrainerMixin", "make_private_trainer", "LEDGER_NAME", "STATE_NAME"]
 
@@ -53,6 +62,74 @@ _STATE_FORMAT = "dpcore-trainer-dp-state"
 _DEFAULT_TRAINER_CLIP = 1.0  # TrainingArguments.max_grad_norm's default
 # Keys of a padding-free batch (TRL's collator): several examples in one row.
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+def _is_hf_dataset(ds: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(ds, datasets.Dataset)
+
+
+def _plain_id(v: Any) -> Any:
+    """A row's user id as a plain Python value (a 0-d tensor or numpy scalar unwrapped)."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"a user id must be one value, got a tensor of shape {tuple(v.shape)}")
+        return v.item()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _read_user_ids(ds: Any, column: str) -> Any:
+    """The ``column`` of every row of ``ds`` (a ``datasets.Dataset``, or a map-style dataset of
+    dicts), in row order; a clear error when a row lacks it."""
+    if _is_hf_dataset(ds):
+        if column not in ds.column_names:
+            raise ValueError(
+                f"user_id_column={column!r} is not a column of train_dataset (its columns: {ds.column_names})"
+            )
+        return ds.with_format(None)[column]
+    ids: List[Any] = []
+    for i in range(len(ds)):
+        row = ds[i]
+        if not isinstance(row, Mapping):
+            raise TypeError(
+                f"user_id_column={column!r} needs rows that are dicts (or a datasets.Dataset); row {i} of train_dataset "
+                f"is a {type(row).__name__}"
+            )
+        if column not in row:
+            raise ValueError(f"user_id_column={column!r}: row {i} of train_dataset has no such column (its keys: {sorted(row)})")
+        ids.append(_plain_id(row[column]))
+    return ids
+
+
+def _user_index(ds: Any, column: str) -> UserIndex:
+    """The users of ``ds`` from its ``column`` (checked: one id per row, none missing)."""
+    n = len(ds)
+    ids = _read_user_ids(ds, column)
+    if isinstance(ids, list) and len({isinstance(v, (str, bytes)) for v in ids}) > 1:
+        # numpy would turn ints and strings into strings (1 and "1" one user): UserIndex refuses
+        # the mix when it sees the values themselves
+        ids = np.array(ids, dtype=object)
+    try:
+        return UserIndex(ids, n)
+    except (TypeError, ValueError) as e:
+        msg = str(e).replace("user_ids", f"the user ids of column {column!r}")
+        raise type(e)(msg) from None
+
+
+class _WithoutColumn:
+    """A collator that drops ``column`` from each row first: the user ids never reach the model."""
+
+    def __init__(self, collate_fn: Callable[[List[Any]], Any], column: str) -> None:
+        self.collate_fn, self.column = collate_fn, column
+
+    def __call__(self, rows: List[Any]) -> Any:
+        c = self.column
+        return self.collate_fn([{k: v for k, v in r.items() if k != c} if isinstance(r, Mapping) else r for r in rows])
 
 
 class _TrainerDPOptimizer(DPOptimizer):
@@ -112,6 +189,8 @@ class DPTrainerMixin:
     _dp_run: Optional[DPRun] = None
     #: What a record whose gradient is not finite does (``on_nonfinite=``, see DPOptimizer).
     _dp_on_nonfinite: str = "zero"
+    #: The train_dataset column of the user ids (privacy unit "user"), else None.
+    _dp_user_id_column: Optional[str] = None
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -138,10 +217,20 @@ class DPTrainerMixin:
             raise ValueError("train_dataset is empty")
         bs, ga = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
         declared = o.population_size
-        if bs * ga > (n if declared is None else declared):
+        # the privacy unit "user": the ids read (and checked) once, before anything is opened
+        users = _user_index(ds, o.user_id_column) if o.privacy_unit == "user" else None  # type: ignore[arg-type]
+        if users is None:
+            drawn, what = n, "records of train_dataset"
+        elif o.examples_per_user is not None:
+            drawn, what = users.num_users, "users of train_dataset"
+        else:
+            drawn = int(np.minimum(users.counts, int(o.max_examples_per_user)).sum())  # type: ignore[arg-type]
+            what = f"rows train_dataset keeps with at most {o.max_examples_per_user} per user"
+        if bs * ga > (drawn if declared is None else declared):
             raise ValueError(
-                f"per_device_train_batch_size × gradient_accumulation_steps = {bs * ga} exceeds the {n} records of "
-                "train_dataset: the sampling probability would exceed 1"
+                f"per_device_train_batch_size × gradient_accumulation_steps = {bs * ga} exceeds the "
+                f"{drawn if declared is None else declared} {what if declared is None else '(population_size)'}: the "
+                "sampling probability would exceed 1"
             )
         seeded = seed is not None
         if seeded:
@@ -158,19 +247,27 @@ class DPTrainerMixin:
             poisson=poisson_sampling,
             seed=seed,
             declared_population=declared,
+            users=users,
+            examples_per_user=o.examples_per_user,
+            max_examples_per_user=o.max_examples_per_user,
         )
+        self._dp_user_id_column = o.user_id_column
         # -- σ: given, or calibrated for the planned number of steps
         q = min(1.0, run.sampling_probability)
         spe = None if poisson_sampling else run.steps_per_epoch
         steps = int(args.max_steps) if args.max_steps and args.max_steps > 0 else steps_for_epochs(
             run.sampler, float(args.num_train_epochs), q, steps_per_epoch=spe
         )
+        bound: Dict[str, Any] = {} if o.max_examples_per_user is None else {"max_examples_per_user": o.max_examples_per_user}
         if noise_multiplier is None:
             # shuffled batches: no amplification, one Gaussian query per epoch begun, as the
             # ledger states them under the run's relation (zero-out)
+            # ELS: a user is up to K rows each sampled independently (the mixture-of-Gaussians
+            # analysis); ULS: the example-level analysis with users as records
             noise_multiplier = calibrate_noise(
                 float(target_epsilon), float(target_delta), sampler=run.sampler, sampling_probability=q,  # type: ignore[arg-type]
                 steps=max(1, steps), steps_per_epoch=spe, accountant=o.accountant,
+                **bound,
             )
         run.noise_multiplier = float(noise_multiplier)
         run.max_grad_norm = o.max_grad_norm
@@ -219,10 +316,20 @@ class DPTrainerMixin:
                 os.path.abspath(ledger),
             )
         if not isinstance(ledger, PrivacyLedger):
-            path = os.fspath(ledger)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            ledger = PrivacyLedger(path)
+            os.makedirs(os.path.dirname(os.path.abspath(os.fspath(ledger))), exist_ok=True)
+        # one ledger holds one unit: a ledger of the other unit is refused
+        ledger = resolve_ledger(ledger, None, privacy_unit=run.privacy_unit)
         run.ledger = ledger
+        if users is not None:
+            logging.getLogger("dpcore").info(
+                "user-level DP: a record is a user (column %r: %d users, %d rows, at most %d rows per user); %s; the "
+                "logged epsilon is user-level (epsilon, delta=%g)",
+                o.user_id_column, users.num_users, users.num_examples, int(users.counts.max()),
+                f"each step samples users at q={run.sampling_probability:.4g}, each sampled user gives the mean of at "
+                f"most {o.examples_per_user} of its rows" if o.examples_per_user is not None else
+                f"each user bounded to {o.max_examples_per_user} rows ({run.n} kept), rows sampled at "
+                f"q={run.sampling_probability:.4g}", run.delta,
+            )
         args.max_grad_norm = 0.0
         args.ignore_data_skip = True  # a resumed run restarts the sampler at its step, drawing nothing to skip
         self._dp_run = run
@@ -270,8 +377,26 @@ class DPTrainerMixin:
 
     @property
     def sampling_probability(self) -> float:
-        """q = per_device_train_batch_size × gradient_accumulation_steps / len(train_dataset)."""
+        """q = per_device_train_batch_size × gradient_accumulation_steps / N: N the rows of
+        train_dataset, or its users (``examples_per_user``), or the rows kept per user
+        (``max_examples_per_user``), unless ``population_size`` declared it."""
         return self._dp().sampling_probability
+
+    @property
+    def privacy_unit(self) -> str:
+        """``"example"`` (one row of train_dataset) or ``"user"``: what the logged ε protects."""
+        return self._dp().privacy_unit
+
+    @property
+    def user_index(self) -> Optional[UserIndex]:
+        """The users of train_dataset (``privacy_unit="user"``), read from ``user_id_column``."""
+        return self._dp().users
+
+    @property
+    def kept_examples(self) -> Optional[np.ndarray]:
+        """With ``max_examples_per_user=K``: the rows of train_dataset kept (at most K per user,
+        chosen once by ChaCha20), sorted; the sampler draws from these only. Else None."""
+        return self._dp().kept
 
     @property
     def delta(self) -> float:
@@ -284,7 +409,8 @@ class DPTrainerMixin:
         return _find_dp(getattr(self, "optimizer", None))
 
     def get_epsilon(self, delta: Optional[float] = None, **kw: Any) -> float:
-        """ε of everything recorded in the ledger, at ``delta`` (default :attr:`delta`)."""
+        """ε of everything recorded in the ledger, at ``delta`` (default :attr:`delta`); for a
+        ledger of the privacy unit "user" a user-level ε."""
         run = self._dp()
         kw.setdefault("accountant", run.accountant)
         return run.ledger.get_epsilon(run.delta if delta is None else delta, **kw)
@@ -313,22 +439,30 @@ class DPTrainerMixin:
     def get_train_dataloader(self) -> Any:
         run = self._dp()
         ds = self.train_dataset
-        if ds is None or len(ds) != run.n:
+        if ds is None or len(ds) != run.rows:
             raise ValueError(
-                f"train_dataset changed after the DP trainer was set up ({run.n} records then, "
+                f"train_dataset changed after the DP trainer was set up ({run.rows} records then, "
                 f"{None if ds is None else len(ds)} now): build a new trainer"
             )
         collator = self.data_collator
-        try:
-            import datasets  # noqa: F401
-
-            is_hf = isinstance(ds, datasets.Dataset)
-        except ImportError:
-            is_hf = False
+        is_hf = _is_hf_dataset(ds)
+        col = self._dp_user_id_column
+        if run.users is not None and col is not None:
+            # the ids are read again: a dataset whose users changed since set-up is refused
+            now = _user_index(ds, col)
+            if now.fingerprint != run.users.fingerprint:
+                raise ValueError(
+                    f"the user ids of column {col!r} changed after the DP trainer was set up: the sampling (and the "
+                    "ledger's user population) is that of the ids read then; build a new trainer"
+                )
+            if is_hf:
+                ds = ds.remove_columns([col])  # before the Trainer's own column removal
         if is_hf:
             ds = self._remove_unused_columns(ds, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
+        if col is not None and not is_hf:
+            collator = _WithoutColumn(collator, col)
         return TrainerBatches(ds, collator, run, position=lambda: self.state.global_step)
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
@@ -379,6 +513,9 @@ class DPTrainerMixin:
         share of the logical batch's mean loss per record (for logging)."""
         run = self._dp()
         tag: BatchTag = run.begin(inputs.pop(TAG, None))
+        run.set_groups(tag)  # the privacy unit "user": which rows are whose, for the clip
+        if self._dp_user_id_column is not None:
+            inputs.pop(self._dp_user_id_column, None)
         device = self.args.device
         dp = self.dp_optimizer
         if dp is None:
@@ -414,6 +551,7 @@ class DPTrainerMixin:
             dp.zero_grad()
             dp.discard()
             raise
+        # the mean loss per row of the logical batch (per example, also under privacy_unit="user")
         return (total.detach() / tag.size).to(device)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
@@ -463,6 +601,10 @@ class DPTrainerMixin:
             "steps_per_epoch": run.steps_per_epoch,
             "seeded": run.seed is not None,
             "ledger_path": os.path.abspath(led.path),
+            # the privacy unit, the users' fingerprint and the bounds: a resume is refused with others
+            **run.unit_state(),
+            **({} if run.users is None else {"user_id_column": self._dp_user_id_column,
+                                             "num_users": run.users.num_users}),
         }
         with open(os.path.join(folder, STATE_NAME), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1)
@@ -496,6 +638,7 @@ class DPTrainerMixin:
             state = json.load(f)
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"{path}: not a DP trainer state file")
+        run.check_unit_state(state, ckpt)  # another unit, other user ids or bounds: refused
         saved, live = int(state["releases"]), run.ledger.num_releases
         if live < saved:
             raise ValueError(
@@ -557,7 +700,26 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
     * ``population_size``: N, the public number of records that q = batch/N, the denominator
       q·N and the ledger are stated for (Poisson; default: ``len(train_dataset)``, then assumed
       public, as the report says). Under add-or-remove adjacency the dataset's true size is
-      data (Opacus #571): declare N where it is not public.
+      data (Opacus #571): declare N where it is not public. With ``privacy_unit="user"`` N is
+      the number of users (``examples_per_user``) or of rows kept per user
+      (``max_examples_per_user``).
+    * ``privacy_unit``: ``"example"`` (the default; a record is one row of train_dataset) or
+      ``"user"``, with ``user_id_column`` (the name of the train_dataset column holding each
+      row's user id, ints or strings; read once here, checked, and removed from every batch) and
+      exactly one of:
+
+      - ``examples_per_user=k`` (user-level sampling): each step is a Poisson sample of *users*
+        at q = per_device_train_batch_size × gradient_accumulation_steps / U (the batch size is
+        then the expected number of users per step); each sampled user gives at most k of its
+        rows (ChaCha20), the mean of their gradients is clipped to C as one record, and the
+        noised sum is divided by the expected users per step. A micro-batch holds whole users
+        (it may hold up to per_device_train_batch_size × k rows and more: size it for that).
+      - ``max_examples_per_user=K`` (example-level sampling, user-level guarantee): each user is
+        bounded once to at most K of its rows (ChaCha20), and rows are Poisson sampled and clipped
+        as now, q over the rows kept; the accountant takes a user as up to K rows.
+
+      The ledger's unit is then ``"user"``, each sample carries its bound, and the logged ε is
+      user-level. Resuming with other user ids (or bounds) is refused. Poisson sampling only.
     * ``seed``: tests only (sampling and noise become predictable: no privacy).
 
     Refused at construction: DeepSpeed, FSDP, more than one process or GPU,
@@ -585,6 +747,10 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
         poisson_sampling: Optional[bool] = None,
         on_nonfinite: str = "zero",
         population_size: Optional[int] = None,
+        privacy_unit: str = "example",
+        user_id_column: Optional[str] = None,
+        examples_per_user: Optional[int] = None,
+        max_examples_per_user: Optional[int] = None,
         **trainer_kwargs: Any,
     ) -> None:
         # checked once, before the Trainer is built
@@ -593,7 +759,8 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
             max_grad_norm=max_grad_norm, ledger=ledger, sampler=sampler, clipping=clipping, joint_scales=joint_scales,
             noise_mechanism=noise_mechanism, delta=delta, per_record_loss=per_record_loss, accountant=accountant,
             ledger_ahead=ledger_ahead, seed=seed, poisson_sampling=poisson_sampling, on_nonfinite=on_nonfinite,
-            population_size=population_size,
+            population_size=population_size, privacy_unit=privacy_unit, user_id_column=user_id_column,
+            examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user,
         )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._dp_setup(options)
