@@ -5,7 +5,10 @@ One record is one user's model update: each round samples users by Poisson sampl
 core's CSPRNG, each sampled user trains locally (a few SGD steps of logistic regression on its
 own data) and sends Δ = w_local − w; the aggregator clips each Δ to C, sums, adds N(0, (zC)²)
 from ChaCha20 and divides by q·n (the fixed-denominator estimator). The ledger records every
-round; ε is for user-level adjacency (adding or removing one user's whole data).
+round in a ledger of privacy unit "user" (each sample over the user population, with the bound
+of at most MAX_LOCAL examples behind one user's update); ε is for user-level adjacency (adding
+or removing one user's whole data), and equals the plan's ε of the same run
+(``dpcore.plan.make_plan(..., privacy_unit="user")``).
 ``python examples/user_level_fedavg.py [--small]``.
 """
 
@@ -13,20 +16,25 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # loaded from its file by another program (the tests): _common.py is beside it
     sys.path.insert(0, _HERE)
 
 import numpy as np  # noqa: E402
-from _common import parser, quiet_epsilon, temp_ledger  # noqa: E402
+from _common import parser, quiet_epsilon  # noqa: E402
+
+#: The most examples a user holds (a public bound of the simulation: 5 to 29 each); each user's
+#: update is computed from all of them, so at most this many examples are behind one record.
+MAX_LOCAL = 30
 
 
 def population(users: int, d: int, rng: np.random.Generator):
     w_true = rng.normal(size=d)
     data = []
     for _ in range(users):
-        m = int(rng.integers(5, 30))
+        m = int(rng.integers(5, MAX_LOCAL))
         shift = rng.normal(scale=0.5, size=d)  # non-IID users
         x = rng.normal(size=(m, d)) + shift
         y = (x @ w_true + rng.normal(scale=0.5, size=m) > 0).astype(np.float64)
@@ -59,8 +67,10 @@ def main(small: bool = False) -> dict:
     n = len(train)
     q = 50 / n
     clip, z, server_lr = 0.5, 1.0, 1.0
-    ledger, path = temp_ledger("dpcore-fedavg-")
-    agg = dpcore.PrivateAggregator(dpcore.GaussianAverageQuery(clip, z * clip, q * n), ledger, n, q)
+    path = os.path.join(tempfile.mkdtemp(prefix="dpcore-fedavg-"), "ledger.jsonl")
+    ledger = dpcore.PrivacyLedger(path, privacy_unit="user")  # one record = one user
+    agg = dpcore.PrivateAggregator(dpcore.GaussianAverageQuery(clip, z * clip, q * n), ledger, n, q,
+                                   privacy_unit="user", examples_per_user=MAX_LOCAL)
     w = np.zeros(d)
     for _ in range(rounds):
         idx = agg.sample()  # Poisson sample of users, recorded in the ledger
@@ -70,7 +80,9 @@ def main(small: bool = False) -> dict:
     wb = np.zeros(d)
     for _ in range(rounds):
         wb = wb + np.mean([local_update(wb, *u) for u in train], axis=0)
-    res = {"dp_accuracy": accuracy(w, test), "baseline_accuracy": accuracy(wb, test), "rounds": ledger.num_releases}
+    res = {"dp_accuracy": accuracy(w, test), "baseline_accuracy": accuracy(wb, test), "rounds": ledger.num_releases,
+           "ledger": path, "users": n, "sampling_probability": q, "noise_multiplier": z,
+           "examples_per_user": MAX_LOCAL, "privacy_unit": ledger.privacy_unit}
     res["epsilon"] = quiet_epsilon(ledger.get_epsilon)
     print(f"users {n}, rounds {rounds}: non-private FedAvg accuracy {res['baseline_accuracy']:.3f} | DP-FedAvg "
           f"{res['dp_accuracy']:.3f} | user-level eps = {res['epsilon']} at delta = 1e-5 (ledger {path})")

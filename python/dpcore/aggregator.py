@@ -23,6 +23,7 @@ from .sampling import (
     CyclicPoissonSampler,
     CyclicSampler,
     Sampler,
+    check_examples_per_user,
     fixed_size_sample,
     poisson_sample,
     registered_samplers,
@@ -93,6 +94,16 @@ class PrivateAggregator:
     that record. ``"raise"`` checks the records first and raises ``ValueError`` naming the first
     non-finite one, releasing nothing (the sample stays open): a debugging aid whose behaviour
     depends on the data, **not differentially private**.
+
+    The privacy unit (issue 40): a record may be one example or **all the data of one user**
+    (federated averaging, McMahan et al. 2018 §1: each record is one user's model update, clipped
+    and noised as one). ``privacy_unit``: ``"example"`` or ``"user"``, which must be the
+    ledger's unit (open it with ``PrivacyLedger(path, privacy_unit="user")``; None, the
+    default: whatever the ledger records). ``population_size`` and ``sampling_probability`` are
+    then the number of users and each user's rate, and the ledger's ε is user-level.
+    ``examples_per_user``: the most examples that went into one user's record at a step (the
+    bound of user-level sampling), recorded with every sample of the aggregator's own draws
+    (``"poisson"`` or ``"fixed_size_without_replacement"``); user unit only.
     """
 
     def __init__(
@@ -106,12 +117,21 @@ class PrivateAggregator:
         sampler: Any = None,
         policy: Optional[str] = None,
         on_nonfinite: str = "zero",
+        privacy_unit: Optional[str] = None,
+        examples_per_user: Optional[int] = None,
     ) -> None:
         self._on_nonfinite = check_on_nonfinite(on_nonfinite)
         if not isinstance(query, DPQuery):
             raise TypeError(f"query must be a dpcore.queries.DPQuery, got {type(query).__name__}")
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.ledger.PrivacyLedger, got {type(ledger).__name__}")
+        unit = _privacy_unit(privacy_unit, ledger, examples_per_user)
+        k = None if examples_per_user is None else check_examples_per_user("examples_per_user", examples_per_user)
+        if k is not None and sampler is not None and not isinstance(sampler, str):
+            raise ValueError(
+                "examples_per_user is recorded with the samples the aggregator draws itself (sampler='poisson' or "
+                "'fixed_size_without_replacement'); a sampler object records its own samples"
+            )
         population_size = count("population_size", population_size, 1)
         if policy is not None:
             if isinstance(sampler, Sampler):
@@ -144,10 +164,14 @@ class PrivateAggregator:
         self._q = None if sampling_probability is None or sampler is not None else float(sampling_probability)
         self._b = None if sample_size is None else int(sample_size)
         self._policy = policy
+        self._unit = unit
+        self._k = k
         self._global_state = query.initial_global_state()
         self._open: Optional[int] = None  # size of the drawn, not yet aggregated sample
 
     query = readonly[DPQuery]("_query", "The query whose releases this aggregator makes.")
+    privacy_unit = readonly[str]("_unit", 'What one record is: "example" or "user" (the ledger\'s unit).')
+    examples_per_user = readonly[Optional[int]]("_k", "The bound recorded with each sample (user unit), or None.")
     ledger = readonly[PrivacyLedger]("_ledger", "The ledger every sample and release is written to.")
     global_state = readonly[Any]("_global_state", "The query's global state for the next sample.")
 
@@ -161,6 +185,15 @@ class PrivateAggregator:
             if seed is not None:
                 raise ValueError("a sampler object is seeded (tests only) when it is built, not per sample")
             idx = self._sampler.draw()
+        elif self._k is not None:
+            # drawn first, then recorded with the bound on the examples behind each user's record
+            if self._policy == POISSON:
+                idx = poisson_sample(self._n, self._q, seed=seed)  # type: ignore[arg-type]
+                self._ledger.record_sample(self._n, self._q, POISSON, seeded=seed is not None, examples_per_user=self._k)
+            else:
+                idx = fixed_size_sample(self._n, self._b, seed=seed)  # type: ignore[arg-type]
+                self._ledger.record_sample(self._n, None, FIXED_SIZE, sample_size=self._b, seeded=seed is not None,
+                                           examples_per_user=self._k)
         elif self._policy == POISSON:
             idx = poisson_sample(self._n, self._q, seed=seed, ledger=self._ledger)  # type: ignore[arg-type]
         else:
@@ -212,6 +245,31 @@ def _raise_on_nonfinite(arrays: List[np.ndarray], batch: int) -> None:
             bad |= ~np.isfinite(a.reshape(batch, -1)).all(axis=1)
     if bad.any():
         raise nonfinite_error(int(np.argmax(bad)))
+
+
+#: The privacy units of the aggregator's records.
+PRIVACY_UNITS = ("example", "user")
+
+
+def _privacy_unit(privacy_unit: Optional[str], ledger: PrivacyLedger, examples_per_user: Any) -> str:
+    """The unit of the aggregator's records: ``privacy_unit`` (checked against the ledger's, which
+    cannot change once written) or, when None, the ledger's."""
+    have = ledger.privacy_unit
+    if privacy_unit is not None:
+        if privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
+        if privacy_unit != have:
+            raise ValueError(
+                f"privacy_unit={privacy_unit!r} but the ledger {ledger.path} records unit {have!r} (mixing units in one "
+                f"ledger is refused): open it with PrivacyLedger(path, privacy_unit={privacy_unit!r})"
+            )
+    unit = have if privacy_unit is None else privacy_unit
+    if examples_per_user is not None and unit != "user":
+        raise ValueError(
+            f"examples_per_user bounds the examples behind one user's record: it needs privacy_unit='user' and a "
+            f"ledger of unit 'user' (this one records {have!r})"
+        )
+    return unit
 
 
 #: The samplers a PrivateAggregator draws by name (``sampler="..."``), from its own arguments.

@@ -18,6 +18,10 @@ applies it (McMahan et al. 2018, §6). :class:`PoissonBatches` draws the batches
 :func:`dpcore.poisson_sample`. :class:`CustomLoopTrainer` is the same step for a hand-written
 training loop (its old name ``DPTrainer`` is a deprecated alias: it collided with
 :class:`dpcore.transformers.DPTrainer`, the Hugging Face trainer).
+User-level DP (``privacy_unit="user"``, ``user_ids=``, and ``examples_per_user=k`` or
+``max_examples_per_user=K``; see :class:`DPModel`): ``fit(dp.batches(x, y))`` trains on a
+:class:`UserPoissonBatches` (users sampled, each user's mean gradient clipped once) or on the
+:class:`PoissonBatches` of the examples kept after bounding each user to K.
 Requires the ``tensorflow`` extra (Keras 3).
 """
 
@@ -38,14 +42,15 @@ from ._data import (
     RandomAllocationBatches,
     SampledBatches,
     TruncatedPoissonBatches,
+    UserPoissonBatches,
 )
 from ._keras import DPModel
 from ._make_private import make_private, make_private_with_epsilon
 
 __all__ = [
     "make_private", "make_private_with_epsilon", "DPModel", "PoissonBatches", "CyclicBatches", "SampledBatches",
-    "TruncatedPoissonBatches", "BallsInBinsBatches", "RandomAllocationBatches", "per_record_gradients",
-    "CustomLoopTrainer",
+    "TruncatedPoissonBatches", "BallsInBinsBatches", "RandomAllocationBatches", "UserPoissonBatches",
+    "per_record_gradients", "CustomLoopTrainer",
 ]
 
 

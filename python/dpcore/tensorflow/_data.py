@@ -25,10 +25,11 @@ from .._attrs import readonly
 from .._validate import real as _real
 from .._seeds import derive_seed
 from ..sampling import poisson_sample
+from ..sampling._users import UserIndex, check_examples_per_user
 
 __all__ = [
     "PoissonBatches", "CyclicBatches", "SampledBatches", "TruncatedPoissonBatches", "BallsInBinsBatches",
-    "RandomAllocationBatches",
+    "RandomAllocationBatches", "UserPoissonBatches",
 ]
 
 
@@ -133,6 +134,144 @@ class PoissonBatches(tf.keras.utils.PyDataset):
         if self._sw is not None:
             out.append(tf.nest.map_structure(take, self._sw))
         return tuple(out)
+
+
+class UserPoissonBatches(tf.keras.utils.PyDataset):
+    """User-level Poisson batches (ULS) of ``(x, y[, sample_weight])`` for a
+    :class:`~dpcore.tensorflow.DPModel` made with ``privacy_unit="user"`` and ``examples_per_user``
+    (:meth:`DPModel.batches <dpcore.tensorflow.DPModel.batches>` builds the one a model needs).
+
+    Each step draws **users**: each of the U users (the distinct ``user_ids``, one id per
+    example) joins independently with probability q (:func:`dpcore.poisson_sample` over the
+    users), and each sampled user contributes at most ``examples_per_user`` k of its examples,
+    chosen by ChaCha20 without replacement (all of them when it has fewer;
+    :meth:`dpcore.sampling.UserIndex.choose`). The step's examples are user-major (the first
+    sampled user's, then the second's...); :attr:`last_slots` gives each example's user slot
+    (0..m-1 over the m users sampled) and :attr:`last_counts` each user's count, from which the
+    DP train step forms each user's mean gradient and clips it as one record.
+
+    * ``sampling_probability`` q (per user), or ``expected_batch_size`` q·U: the expected number
+      of **users** per step, the fixed denominator of the average.
+    * ``steps``: batches per epoch (default round(1/q): one expected pass over the users).
+    * ``seed``: tests only (step t draws its users from ``derive_seed(seed, t)`` and its
+      examples from ``seed`` and t); a seeded sample is predictable and marked ``seeded``.
+
+    As with :class:`SampledBatches`, the DP train step draws each step itself (:meth:`draw`),
+    right before its release, and records it in the model's ledger (U, q, ``poisson``,
+    ``examples_per_user=k``); what Keras reads from this dataset is the record structure only
+    (zero rows). A step with no user sampled is an empty batch, and still releases noise.
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        user_ids: Any,
+        examples_per_user: int,
+        sampling_probability: Optional[float] = None,
+        expected_batch_size: Optional[float] = None,
+        steps: Optional[int] = None,
+        seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._x, self._y, self._sw, n = _records(x, y, sample_weight)
+        if isinstance(user_ids, UserIndex):
+            if user_ids.num_examples != n:
+                raise ValueError(
+                    f"user_ids has {user_ids.num_examples} ids but the dataset has {n} examples: give one id per example"
+                )
+            users = user_ids
+        else:
+            users = UserIndex(user_ids, num_examples=n)
+        k = check_examples_per_user("examples_per_user", examples_per_user)
+        u = users.num_users
+        if (sampling_probability is None) == (expected_batch_size is None):
+            raise ValueError("give exactly one of sampling_probability and expected_batch_size (expected users per step)")
+        if sampling_probability is None:
+            q = _real("expected_batch_size", expected_batch_size) / u
+        else:
+            q = _real("sampling_probability", sampling_probability)
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"the sampling probability of a user must be in (0, 1], got {q}")
+        if steps is None:
+            steps = max(1, round(1.0 / q))
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        derive_seed(seed, 0)  # validates the seed now rather than on the first batch
+        self._users: UserIndex = users
+        self._k: int = k
+        self._q: float = q
+        self._steps: int = int(steps)
+        self._seed: Optional[int] = seed
+        self._draws: int = 0
+        self._in_fit: bool = False
+        #: The example indices of the last step drawn (user-major), None before the first.
+        self.last_indices: Optional[np.ndarray] = None
+        #: The users (0..U-1) of the last step drawn, in the order of their examples.
+        self.last_users: Optional[np.ndarray] = None
+        #: The number of examples each of :attr:`last_users` contributes (1..k).
+        self.last_counts: Optional[np.ndarray] = None
+        #: The user slot (0..m-1) of each example of the last step drawn.
+        self.last_slots: Optional[np.ndarray] = None
+
+    users = readonly[UserIndex]("_users", "The :class:`~dpcore.sampling.UserIndex` of the user ids.")
+    examples_per_user = readonly[int]("_k", "k: the most examples a sampled user contributes to a step.")
+    sampling_probability = readonly[float]("_q", "q, each user's inclusion probability per step.")
+
+    @property
+    def population_size(self) -> int:
+        """U, the number of users sampled from."""
+        return self._users.num_users
+
+    @property
+    def num_examples(self) -> int:
+        return self._users.num_examples
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·U, the expected number of users per step: the fixed denominator of the average."""
+        return self._q * self._users.num_users
+
+    @property
+    def seeded(self) -> bool:
+        return self._seed is not None
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def draw(self) -> Any:
+        """The next step's ``(x, y[, sample_weight])``, user-major (see the class): the users by
+        Poisson sampling, then at most k examples of each. Sets :attr:`last_slots` and
+        :attr:`last_counts`. Records nothing (the train step does, right before its release)."""
+        t = self._draws
+        self._draws += 1
+        users = poisson_sample(self._users.num_users, self._q, seed=derive_seed(self._seed, t))
+        idx, counts = self._users.choose(users, self._k, seed=self._seed, draw=t)
+        self.last_users, self.last_counts, self.last_indices = users, counts, idx
+        self.last_slots = np.repeat(np.arange(len(users), dtype=np.int64), counts)
+        return self._take(idx)
+
+    def _take(self, idx: Any) -> Any:
+        take = lambda a: a[idx]  # noqa: E731
+        out = [tf.nest.map_structure(take, self._x)]
+        if self._y is not None or self._sw is not None:
+            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+        if self._sw is not None:
+            out.append(tf.nest.map_structure(take, self._sw))
+        return tuple(out)
+
+    def __getitem__(self, index: int) -> Any:
+        if not self._in_fit:
+            raise TypeError(
+                "UserPoissonBatches are drawn by dpcore's DPModel.fit at each release; they cannot be read as a dataset "
+                "of their own (use arrays for evaluate and predict)"
+            )
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch {index} out of range for {len(self)} batches")
+        return self._take(np.zeros(0, np.int64))  # the record structure only: see the class
 
 
 class CyclicBatches(tf.keras.utils.PyDataset):

@@ -36,7 +36,8 @@ from .. import _names
 from ..queries._build import CLIPPING, clipping_query
 from .._seeds import derive_seed
 from .. import _adapters
-from ._data import CyclicBatches, PoissonBatches, SampledBatches, sampled_batches
+from ._data import CyclicBatches, PoissonBatches, SampledBatches, UserPoissonBatches, sampled_batches
+from ._users import bind_users, user_config, user_means
 from ._mf import _mf_config
 from .._validate import positive as _number
 from ..mechanism import check_on_nonfinite
@@ -67,6 +68,14 @@ class _Sampling:
     #: Batches of an epoch of in-memory arrays (⌈n/b⌉): each batch is recorded with its epoch
     #: as a round, so the accountant reads one query per epoch (None: per step).
     epoch_steps: Optional[int] = None
+    #: privacy_unit="user": the bound each sample records (examples_per_user=k for ULS,
+    #: max_examples_per_user=K for ELS); None at the example level.
+    user_bounds: Optional[Dict[str, int]] = None
+
+    @property
+    def records_itself(self) -> bool:
+        """Whether the train step records each sample (all but the samplers' own draws)."""
+        return self.source is None or isinstance(self.source, UserPoissonBatches)
 
 
 class _EpochMark(keras.callbacks.Callback):
@@ -168,6 +177,33 @@ class DPModel(keras.Model):
     with a warning). ``"poisson"`` requires :class:`PoissonBatches` in ``fit``; ``"shuffle"``
     any other source (recorded as ``shuffle``, as above). Not with ``noise_mechanism``.
 
+    The privacy unit (``privacy_unit``; issue 40): ``"example"`` (the default) protects one
+    training example; ``"user"`` protects all the examples of one user, given by ``user_ids``
+    (one id per training example, integers or strings, aligned with the arrays ``fit`` trains
+    on), in one of two ways:
+
+    * ``examples_per_user=k``: user-level sampling (ULS). ``fit`` takes
+      :meth:`batches` ``(x, y)`` (a :class:`~dpcore.tensorflow.UserPoissonBatches`): each step
+      samples users (Poisson, each of the U users with probability q), each sampled user
+      contributes at most k of its examples (ChaCha20, without replacement), and the **mean** of
+      their per-example gradients is clipped to C as one record (flat or per layer). The fixed
+      denominator is q·U, the expected number of users per step (``expected_batch_size``, or
+      ``sampling_probability`` q with ``population_size`` U: by default the number of distinct
+      ids). Each sample is recorded over the users with ``examples_per_user=k``.
+    * ``max_examples_per_user=K``: example-level sampling with a user-level guarantee (ELS).
+      Before training each user is bounded to at most K examples in total (ChaCha20, drawn once:
+      :meth:`dpcore.sampling.UserIndex.bound`); ``fit`` takes :meth:`batches` ``(x, y)``, the
+      :class:`PoissonBatches` of the kept examples, clipped one by one (q per example; the
+      population, by default, the Σ_u min(count_u, K) kept examples). Each sample is recorded
+      with ``max_examples_per_user=K`` and the ε the ledger gives is for one user.
+
+    The ledger must be one of unit ``"user"`` (``PrivacyLedger(path, privacy_unit="user")``;
+    the temporary one is), and the users are bound to it by a side file
+    ``<ledger>.users.npz`` (their ids' fingerprint and, for ELS, the kept examples): a later
+    DPModel that continues the ledger must give the same ids and bound, and reuses the kept
+    examples. Poisson sampling and Gaussian (or discrete Gaussian) noise only; no ``sampler=``
+    or matrix-factorization noise.
+
     The ``loss``/metrics that ``fit`` logs are computed on the raw batch, for monitoring; they
     are not privatized and must not be published as DP outputs. Layers with batch statistics
     (``BatchNormalization``) are rejected. Save the wrapped model (``.inner``), not the wrapper.
@@ -199,14 +235,32 @@ class DPModel(keras.Model):
         joint_scales: Any = None,
         granularity: Optional[float] = None,
         on_nonfinite: str = "zero",
+        privacy_unit: str = "example",
+        user_ids: Any = None,
+        examples_per_user: Optional[int] = None,
+        max_examples_per_user: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         on_nonfinite = check_on_nonfinite(on_nonfinite)
+        users = user_config(privacy_unit, user_ids, examples_per_user, max_examples_per_user)
         l2_norm_clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
         noise_mechanism = _names.noise_mechanism(noise_mechanism)
         noise_mechanism, strategy = _names.legacy_independent(noise_mechanism, strategy)
         mf = noise_mechanism in _names.MF_NOISE
         mf_cfg = None
+        if users is not None:
+            if mf:
+                raise ValueError(
+                    f"privacy_unit='user' trains with Poisson sampling; noise_mechanism={noise_mechanism!r} "
+                    "(matrix-factorization noise over cyclic batches) has no user-level version here"
+                )
+            if sampler not in (None, "poisson"):
+                raise ValueError(
+                    f"privacy_unit='user' samples with Poisson sampling (users for examples_per_user, kept examples for "
+                    f"max_examples_per_user); sampler={sampler!r} is not supported with it"
+                )
+            if population_size is None:
+                population_size = users.population  # U users (ULS) or the kept examples (ELS)
         if mf and (sampler is not None or max_batch_size is not None or num_selected != 1):
             raise ValueError(
                 "sampler, max_batch_size and num_selected choose DP-SGD's sampling; matrix-factorization noise "
@@ -291,10 +345,24 @@ class DPModel(keras.Model):
         if mpb is not None and (isinstance(mpb, bool) or not isinstance(mpb, numbers.Integral) or mpb < 1):
             raise ValueError(f"max_physical_batch_size must be an int >= 1, got {mpb!r}")
         if ledger is None:
-            ledger = PrivacyLedger(os.path.join(tempfile.mkdtemp(prefix="dpcore-tf-"), "ledger.jsonl"))
+            path = os.path.join(tempfile.mkdtemp(prefix="dpcore-tf-"), "ledger.jsonl")
+            ledger = PrivacyLedger(path) if users is None else PrivacyLedger(path, privacy_unit="user")
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.PrivacyLedger or None, got {type(ledger).__name__}")
+        if users is not None and ledger.privacy_unit != "user":
+            raise ValueError(
+                f"privacy_unit='user' needs a ledger of unit 'user' ({ledger.path} records unit "
+                f"{ledger.privacy_unit!r}): open it with PrivacyLedger(path, privacy_unit='user')"
+            )
+        if users is None and ledger.privacy_unit == "user":
+            raise ValueError(
+                f"{ledger.path} records user-level samples (privacy unit 'user'); an example-level DPModel cannot "
+                "add to it (mixing units in one ledger is refused): give privacy_unit='user' with user_ids, or "
+                "another ledger"
+            )
         derive_seed(seed, 0)  # validates the seed
+        if users is not None:
+            bind_users(users, ledger, seed)  # the users (and ELS's kept examples) bound to this ledger
         super().__init__(**kwargs)
         self.inner = model
         # Plain attributes, kept out of Keras's tracking (they are not model state to save).
@@ -305,6 +373,7 @@ class DPModel(keras.Model):
             on_nonfinite=on_nonfinite, _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
             _global_state=None, _template=None, _grad_fn=None, _mf=mf_cfg,
             sampler=kind, _drawn=drawn, _accountant=None if kind is None else _adapters.default_accountant(kind),
+            privacy_unit="example" if users is None else "user", _users=users,
         ).items():
             object.__setattr__(self, k, v)
         if drawn is not None:
@@ -346,7 +415,14 @@ class DPModel(keras.Model):
         bound.apply_defaults()
         a = bound.arguments
         x = a["x"]
-        if self._mf is not None:
+        if self._users is not None:
+            sampling = self._user_sampling(x)
+        elif isinstance(x, UserPoissonBatches):
+            raise TypeError(
+                "UserPoissonBatches sample users: build the DPModel with privacy_unit='user', user_ids=... and "
+                "examples_per_user=k"
+            )
+        elif self._mf is not None:
             sampling = self._mf_sampling(x, a, kwargs)
             bound.arguments["shuffle"] = False  # the cycle's order: batch i of every epoch is batch i
         elif isinstance(x, SampledBatches) or self.sampler in _adapters.DRAWN:
@@ -418,6 +494,47 @@ class DPModel(keras.Model):
             if src is not None:
                 src._in_fit = False
 
+    def _user_sampling(self, x: Any) -> "_Sampling":
+        """The sampling of a fit with ``privacy_unit="user"``: the model's own :meth:`batches`
+        (ULS: a UserPoissonBatches over the same users and k; ELS: the PoissonBatches of the
+        kept examples), at the model's rate."""
+        cfg = self._users
+        assert cfg is not None
+        bounds = cfg.ledger_bounds  # what each sample records: k (ULS) or K (ELS)
+        q = self.expected_batch_size / self.population_size
+        if cfg.uls:
+            if not isinstance(x, UserPoissonBatches):
+                raise TypeError(
+                    "this DPModel samples users (privacy_unit='user', examples_per_user): fit() takes model.batches(x, y) "
+                    f"(a dpcore.tensorflow.UserPoissonBatches), got {type(x).__name__}"
+                )
+            if x.users.fingerprint != cfg.users.fingerprint:
+                raise ValueError(
+                    "the UserPoissonBatches' user_ids are not this DPModel's: the users must stay the same over the run "
+                    "(use model.batches(x, y))"
+                )
+            if x.examples_per_user != cfg.examples_per_user:
+                raise ValueError(
+                    f"the UserPoissonBatches take up to {x.examples_per_user} examples per user, this DPModel was made "
+                    f"with examples_per_user={cfg.examples_per_user}"
+                )
+            if not math.isclose(x.sampling_probability, q, rel_tol=1e-9):
+                raise ValueError(
+                    f"the UserPoissonBatches sample users at q = {x.sampling_probability}, but this DPModel divides by "
+                    f"expected_batch_size = {self.expected_batch_size} = q·U with U = {self.population_size} users, so "
+                    f"q = {q}"
+                )
+            return _Sampling(self.population_size, x.sampling_probability, "poisson", x.seeded, source=x,
+                             user_bounds=bounds)
+        if not (isinstance(x, PoissonBatches) and getattr(x, "_user_bound", None) is cfg):
+            raise TypeError(
+                "this DPModel bounds each user to max_examples_per_user examples: fit() takes model.batches(x, y) (the "
+                f"PoissonBatches of the kept examples), got {type(x).__name__}"
+            )
+        if not math.isclose(x.sampling_probability, q, rel_tol=1e-9):
+            raise ValueError(f"the batches sample at q = {x.sampling_probability}, this DPModel at q = {q}")
+        return _Sampling(self.population_size, x.sampling_probability, "poisson", x.seeded, user_bounds=bounds)
+
     def _drawn_sampling(self, x: Any) -> "_Sampling":
         """The sampling of a fit on :class:`SampledBatches`: checked against this model (its
         sampler, or with none given its denominator), bound to the ledger."""
@@ -454,7 +571,14 @@ class DPModel(keras.Model):
         """The :class:`~dpcore.tensorflow.SampledBatches` of this model's ``sampler`` over
         ``(x, y[, sample_weight])`` (``len(x)`` must be ``population_size``), for :meth:`fit`.
         ``seed``: tests only (a seeded sample is predictable: no privacy). ``kwargs``: the
-        ``PyDataset`` options (``workers``, ...)."""
+        ``PyDataset`` options (``workers``, ...).
+
+        With ``privacy_unit="user"``: ``len(x)`` must be the number of ``user_ids``; ULS gives
+        a :class:`~dpcore.tensorflow.UserPoissonBatches` over the users, ELS the
+        :class:`~dpcore.tensorflow.PoissonBatches` of the examples the bound kept (``steps``
+        in ``kwargs``: batches per epoch, default round(1/q))."""
+        if self._users is not None:
+            return self._user_batches(x, y, sample_weight, seed=seed, **kwargs)
         if self._drawn is None:
             raise ValueError(
                 "batches() builds the batches of sampler='truncated_poisson', 'balls_in_bins' or 'random_allocation'; "
@@ -464,6 +588,44 @@ class DPModel(keras.Model):
         if out.population_size != self.population_size:
             raise ValueError(f"x has {out.population_size} records, this DPModel samples from population_size={self.population_size}")
         return out
+
+    def _user_batches(self, x: Any, y: Any, sample_weight: Any, *, seed: Optional[int], **kwargs: Any) -> Any:
+        from ._data import _records
+
+        cfg = self._users
+        assert cfg is not None
+        x, y, sample_weight, n = _records(x, y, sample_weight)
+        if n != cfg.users.num_examples:
+            raise ValueError(f"x has {n} examples but user_ids has {cfg.users.num_examples} ids: give one id per example")
+        q = self.expected_batch_size / self.population_size
+        if cfg.uls:
+            return UserPoissonBatches(x, y, sample_weight, user_ids=cfg.users, examples_per_user=cfg.examples_per_user,
+                                      sampling_probability=q, seed=seed, **kwargs)
+        take = lambda a: a[cfg.kept]  # noqa: E731
+        sub = [None if part is None else tf.nest.map_structure(take, part) for part in (x, y, sample_weight)]
+        out = PoissonBatches(sub[0], sub[1], sub[2], sampling_probability=q, seed=seed, **kwargs)
+        out._user_bound = cfg  # made for this model's bound: fit() takes only these
+        return out
+
+    @property
+    def user_index(self) -> Any:
+        """The :class:`~dpcore.sampling.UserIndex` of ``user_ids`` (None at the example level)."""
+        return None if self._users is None else self._users.users
+
+    @property
+    def examples_per_user(self) -> Optional[int]:
+        """k of user-level sampling (None otherwise)."""
+        return None if self._users is None else self._users.examples_per_user
+
+    @property
+    def max_examples_per_user(self) -> Optional[int]:
+        """K of example-level sampling with a user-level bound (None otherwise)."""
+        return None if self._users is None else self._users.max_examples_per_user
+
+    @property
+    def kept_examples(self) -> Optional[np.ndarray]:
+        """ELS: the sorted indices of the examples the bound kept (None otherwise)."""
+        return None if self._users is None or self._users.kept is None else self._users.kept.copy()
 
     def _mf_sampling(self, x: Any, a: Any, kwargs: Any) -> "_Sampling":
         cfg = self._mf
@@ -611,8 +773,13 @@ class DPModel(keras.Model):
         self._setup()
         if sampling.source is not None:
             # Drawn now, right before the release, and recorded in the ledger by the sampler
-            # (Keras's ``data`` holds the record structure only: see SampledBatches).
+            # (Keras's ``data`` holds the record structure only: see SampledBatches); user-level
+            # batches are recorded below, with their bound.
             data = sampling.source.draw()
+        means = None
+        if isinstance(sampling.source, UserPoissonBatches):
+            # ULS: the examples are user-major; each user's mean gradient is one record
+            means = user_means(sampling.source.last_slots, sampling.source.last_counts)
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rec = {"x": x}
         if y is not None:
@@ -629,17 +796,25 @@ class DPModel(keras.Model):
             part = tf.nest.map_structure(lambda t: t[start : start + chunk], rec)
             loss, y_pred, grads = self._per_record_fn()(part)
             # Flat: one group of all variables, clipped jointly; per-layer: one leaf per variable.
-            records = [np.asarray(g) for g in grads]
-            state = q.accumulate_records(params, state, records)  # core clip; NaN/inf records add zero
+            if means is None:
+                records = [np.asarray(g) for g in grads]
+            else:
+                # the users complete by the end of this micro-batch: the mean of each user's
+                # per-example gradients (a user cut by the micro-batch is carried over)
+                records = means.add(start, grads, [t.dtype for t in self._template])
+            if records is not None:
+                state = q.accumulate_records(params, state, records)  # core clip; NaN/inf records add zero
             losses.append(loss)
             preds.append(y_pred)
-        if sampling.source is None:
+        if sampling.records_itself:
             rounds: Dict[str, Any] = {}
             if sampling.epoch_steps is not None:
                 at = getattr(self, "_epoch_at", None)  # (round, batch index) of the last batch
                 at = (self.ledger.next_round, 0) if at is None else (at[0], at[1] + 1)
                 object.__setattr__(self, "_epoch_at", at)
                 rounds = dict(round=at[0], step_in_round=at[1], round_steps=sampling.epoch_steps, round_selected=1)
+            if sampling.user_bounds is not None:
+                rounds.update(sampling.user_bounds)  # examples_per_user=k (ULS) or max_examples_per_user=K (ELS)
             self.ledger.record_sample(
                 sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
                 sample_size=sampling.sample_size, **rounds,

@@ -53,6 +53,10 @@ def make_private(
     target_delta: Optional[float] = None,
     accountant: Optional[str] = None,
     on_nonfinite: str = "zero",
+    privacy_unit: str = "example",
+    user_ids: Any = None,
+    examples_per_user: Optional[int] = None,
+    max_examples_per_user: Optional[int] = None,
 ) -> DPModel:
     """``model`` wrapped in a :class:`DPModel` whose ``compile``/``fit`` train with DP-SGD
     (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
@@ -90,6 +94,20 @@ def make_private(
     NaN or ±∞ zero contribution, and the step releases as usual (differentially private);
     ``"raise"`` makes the step raise ``ValueError`` naming it, before anything is recorded (a
     debugging aid whose behaviour depends on the data, not differentially private).
+
+    User-level DP (``privacy_unit="user"``, ``user_ids`` one id per training example; see
+    :class:`DPModel`)::
+
+        dp = make_private(model, keras.optimizers.SGD(0.5), noise_multiplier=1.0, max_grad_norm=1.0,
+                          privacy_unit="user", user_ids=ids, examples_per_user=4,    # ULS
+                          expected_batch_size=32,                                    # users per step
+                          ledger=PrivacyLedger("run.jsonl", privacy_unit="user"))
+        dp.compile(loss=...)
+        dp.fit(dp.batches(x, y), epochs=5)
+        eps = dp.get_epsilon(1e-5)           # user-level
+
+    or ``max_examples_per_user=K`` (ELS: each user bounded to K examples, then example-level
+    Poisson batches; ``expected_batch_size`` then counts examples).
     """
     clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
     noise_mechanism = _names.noise_mechanism(noise_mechanism)
@@ -102,7 +120,8 @@ def make_private(
             max_physical_batch_size=max_physical_batch_size, seed=seed, noise_mechanism=noise_mechanism,
             strategy=strategy, participation=participation, batch_size=batch_size, sampler=sampler,
             max_batch_size=max_batch_size, num_selected=num_selected, joint_scales=joint_scales, granularity=granularity,
-            on_nonfinite=on_nonfinite,
+            on_nonfinite=on_nonfinite, privacy_unit=privacy_unit, user_ids=user_ids, examples_per_user=examples_per_user,
+            max_examples_per_user=max_examples_per_user,
         )
     if accountant is not None:
         raise ValueError("accountant= is the calibration's accountant: give it with target_epsilon=")
@@ -130,6 +149,10 @@ def make_private(
         joint_scales=joint_scales,
         granularity=granularity,
         on_nonfinite=on_nonfinite,
+        privacy_unit=privacy_unit,
+        user_ids=user_ids,
+        examples_per_user=examples_per_user,
+        max_examples_per_user=max_examples_per_user,
     )
 
 
@@ -141,7 +164,7 @@ def make_private_with_epsilon(
     target_delta: float,
     epochs: int,
     max_grad_norm: Any = None,
-    population_size: int,
+    population_size: Optional[int] = None,
     sampling_probability: Optional[float] = None,
     accountant: Optional[str] = None,
     l2_norm_clip: Any = None,
@@ -166,11 +189,24 @@ def make_private_with_epsilon(
     samplers, for which ``accountant="pld"`` is refused), for ``epochs`` × round(1/q)
     truncated-Poisson steps, ``epochs`` balls-in-bins epochs, or ⌈epochs/k⌉ allocation rounds
     (a round is k passes; a round cut short counts whole). ``sampler="shuffle"``: ``epochs`` ×
-    ⌈n/round(q·n)⌉ full-batch Gaussian steps (no amplification), as ``fit`` on arrays records."""
+    ⌈n/round(q·n)⌉ full-batch Gaussian steps (no amplification), as ``fit`` on arrays records.
+
+    With ``privacy_unit="user"`` (``user_ids`` and ``examples_per_user`` or
+    ``max_examples_per_user``; see :class:`DPModel`) σ comes from the plan of the user-level run
+    (:func:`dpcore.plan.make_plan` with the same unit and bound: ULS is accounted as Poisson
+    sampling of users at q over U = ``population_size`` users, by default the distinct ids; ELS
+    as the mixture of Gaussians of a user's up to K examples, each sampled at q, over the
+    Σ_u min(count_u, K) kept examples), for ``epochs`` × round(1/q) steps. ``population_size``
+    is required at the example level only."""
     clip = renamed("max_grad_norm", max_grad_norm, "l2_norm_clip", l2_norm_clip)
     epochs = count("epochs", epochs, 1)
     if "noise_multiplier" in kwargs:
         raise TypeError("make_private_with_epsilon chooses noise_multiplier; do not give it")
+    if kwargs.get("privacy_unit", "example") != "example":
+        return _user_with_epsilon(model, optimizer, target_epsilon, target_delta, epochs, clip, population_size,
+                                  sampling_probability, accountant, kwargs)
+    if population_size is None:
+        raise TypeError("make_private_with_epsilon() missing required keyword argument: 'population_size'")
     nm = _names.noise_mechanism(kwargs.pop("noise_mechanism", None))
     if nm == "discrete_gaussian":
         raise ValueError(
@@ -243,3 +279,36 @@ def make_private_with_epsilon(
         sampling_probability=q,
         **kwargs,
     )
+
+
+def _user_with_epsilon(model: Any, optimizer: Any, target_epsilon: float, target_delta: float, epochs: int, clip: Any,
+                       population_size: Optional[int], sampling_probability: Optional[float], accountant: Optional[str],
+                       kwargs: dict) -> "DPModel":
+    """make_private_with_epsilon for ``privacy_unit="user"``: σ from the plan of the user-level
+    run (one calibration path: :func:`dpcore.plan.make_plan`)."""
+    from ..plan import make_plan
+    from ._users import user_config
+
+    users = user_config(kwargs.get("privacy_unit"), kwargs.get("user_ids"), kwargs.get("examples_per_user"),
+                        kwargs.get("max_examples_per_user"))
+    if _names.noise_mechanism(kwargs.get("noise_mechanism")) != "gaussian":
+        raise ValueError("make_private_with_epsilon with privacy_unit='user' calibrates the Gaussian mechanism only")
+    if kwargs.get("sampler") not in (None, "poisson"):
+        raise ValueError("privacy_unit='user' samples with Poisson sampling; sampler= is not supported with it")
+    n = users.population if population_size is None else count("population_size", population_size, 1)
+    ebs = kwargs.get("expected_batch_size")
+    if (sampling_probability is None) == (ebs is None):
+        raise TypeError("make_private_with_epsilon with privacy_unit='user' needs sampling_probability or expected_batch_size")
+    q = _number("sampling_probability", sampling_probability) if ebs is None else _number("expected_batch_size", ebs) / n
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling_probability must be in (0, 1], got {q}")
+    plan = make_plan(
+        sampling_probability=q, target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+        population_size=n, accountant=accountant, privacy_unit="user", **users.ledger_bounds,
+    )
+    kwargs = dict(kwargs)
+    kwargs["user_ids"] = users.users  # checked once
+    if ebs is None:
+        kwargs["sampling_probability"] = q
+    return make_private(model, optimizer, noise_multiplier=plan.noise_multiplier, max_grad_norm=clip,
+                        population_size=population_size, **kwargs)
