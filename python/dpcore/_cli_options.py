@@ -246,3 +246,104 @@ def sampler_table(args: argparse.Namespace, parser: argparse.ArgumentParser, ste
         lines.append(f"  {r['sampler']:<18} {r['epsilon']:<10.6g} ({r['accountant']}; {ratio}) {r['guarantee']}")
     return {"delta": args.delta, "steps": steps, "sampling_probability": args.q, "noise_multiplier": args.z,
             "neighboring": relation, "samplers": rows, "text": "\n".join(lines)}
+
+
+# -- the privacy unit (--privacy-unit, --examples-per-user, --max-examples-per-user) ----------
+
+#: What the user-level options of ``dpcore epsilon`` and ``calibrate`` resolve to.
+ULS, ELS = "uls", "els"
+
+
+def user_level_options(sp: argparse.ArgumentParser, count: Any) -> None:
+    g = sp.add_argument_group(
+        "privacy unit (--privacy-unit user)",
+        "A guarantee for a user rather than one example. --examples-per-user k: user-level sampling (ULS): the "
+        "sampler draws users (-q the rate of a user, --population-size the number of users), each contributing the "
+        "clipped mean of at most k of its examples; the command is the ordinary one over the user population. "
+        "--max-examples-per-user K: example-level sampling (ELS): each user's data bounded to at most K examples in "
+        "total, examples Poisson-sampled at -q; the user is accounted as a mixture of Gaussians (Ganesh 2024) by "
+        "PLD, with the group-privacy bound beside it as a cross-check.",
+    )
+    g.add_argument("--privacy-unit", choices=["example", "user"], default="example",
+                   help="what one record is (default: example)")
+    g.add_argument("--examples-per-user", type=count("--examples-per-user"), metavar="K",
+                   help="ULS: each sampled user contributes the clipped mean of at most K examples per step")
+    g.add_argument("--max-examples-per-user", type=count("--max-examples-per-user"), metavar="K",
+                   help="ELS: each user's data bounded to at most K examples in total (Poisson sampling, PLD)")
+
+
+def check_privacy_unit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
+    """:data:`ULS`, :data:`ELS` or None (example level), the combination checked."""
+    k, kk = getattr(args, "examples_per_user", None), getattr(args, "max_examples_per_user", None)
+    if getattr(args, "privacy_unit", "example") != "user":
+        if k is not None or kk is not None:
+            flag = "--examples-per-user" if k is not None else "--max-examples-per-user"
+            parser.error(f"{flag} bounds a user's contribution: it needs --privacy-unit user")
+        return None
+    if (k is None) == (kk is None):
+        parser.error("--privacy-unit user takes exactly one of --examples-per-user K (user-level sampling: users are "
+                     "the records) and --max-examples-per-user K (example-level sampling, a user bounded to K examples)")
+    if k is not None:
+        return ULS
+    if _mf(args):
+        parser.error("--max-examples-per-user is accounted for DP-SGD's independent Gaussian noise, not for "
+                     "--noise-mechanism banded|blt")
+    if getattr(args, "sampler", None) not in (None, "poisson"):
+        parser.error(f"--max-examples-per-user (example-level sampling with a user-level guarantee) is accounted for "
+                     f"Poisson sampling only, got --sampler {args.sampler}; use --examples-per-user for user-level "
+                     "sampling with another sampler")
+    if getattr(args, "accountant", None) == "rdp":
+        parser.error("--max-examples-per-user is accounted by PLD only (no Rényi bound of the mixture of Gaussians "
+                     "is implemented): drop --accountant rdp")
+    if args.q is None:
+        parser.error("--max-examples-per-user needs -q (the rate at which each example is sampled)")
+    return ELS
+
+
+def els_summary(q: float, z: float, steps: int, delta: float, k: int) -> Dict[str, Any]:
+    """User-level ε of ``steps`` ELS steps (examples Poisson-sampled at ``q``, each user's data
+    bounded to ``k`` examples, noise ``z``): the mixture-of-Gaussians PLD with its lower bound,
+    and beside it the example-level ε of the same run and the group-privacy bound (looser)."""
+    from .accounting import PldAccountant, group_privacy_epsilon
+    from .events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+    from .plan import els_event
+
+    lower, upper = PldAccountant().compose(els_event(z, steps, q, k)).get_epsilon_bounds(delta)
+    example = SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(z)), steps)
+    return {
+        "epsilon": upper,
+        "accountant": "pld",
+        "delta": delta,
+        "privacy_unit": "user",
+        "max_examples_per_user": k,
+        "sampling_probability": q,
+        "noise_multiplier": z,
+        "steps": steps,
+        "epsilon_pld_lower_bound": lower,
+        "epsilon_example_level": PldAccountant().compose(example).get_epsilon(delta),
+        "epsilon_group_privacy": group_privacy_epsilon(example, k, delta),
+    }
+
+
+def els_text(out: Dict[str, Any]) -> str:
+    k = out["max_examples_per_user"]
+    return (
+        f"  each user's data bounded to at most {k} examples in total; examples Poisson-sampled at q = "
+        f"{out['sampling_probability']:g}; accounted as a mixture of Gaussians (Ganesh 2024)\n"
+        f"  example-level ε of the same run {out['epsilon_example_level']:.6g}; group privacy over {k} examples "
+        f"(k·ε, a looser cross-check) {out['epsilon_group_privacy']:.6g}"
+    )
+
+
+def uls_note(out: Dict[str, Any], k: int) -> Dict[str, Any]:
+    """The ordinary command's output, stated for a user (ULS: users are the records)."""
+    out["privacy_unit"] = "user"
+    out["examples_per_user"] = k
+    text = out["text"]
+    text = text.replace("ε =", "user-level ε =", 1) if "ε =" in text else "user-level " + text
+    out["text"] = (
+        text
+        + f"\n  user-level sampling: -q is the rate of a user and the population is the users; each sampled user "
+        f"contributes the clipped mean of at most {k} examples per step"
+    )
+    return out

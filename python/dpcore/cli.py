@@ -12,6 +12,11 @@
   *effective* noise multiplier σ/(S·sens); ``--strategy FILE`` (a strategy's JSON,
   ``strategy.to_dict()``, e.g. ``{"kind": "banded", "coefficients": [1.0, 0.6, 0.2]}``) adds
   its sensitivity and the stddev σ = z·S·sens to use (:mod:`dpcore.matrix_factorization`).
+* ``--privacy-unit user`` (both commands): a guarantee for a user. ``--examples-per-user K``:
+  user-level sampling, the ordinary command over the user population (-q the rate of a user);
+  ``--max-examples-per-user K``: example-level sampling with each user's data bounded to K
+  examples, the user accounted as a mixture of Gaussians by PLD, with the example-level ε and the
+  group-privacy bound beside it (:func:`dpcore.events.example_level_sampling_event`).
 * ``dpcore report LEDGER --delta D [--format markdown|json]``: the privacy report
   (:meth:`dpcore.PrivacyLedger.report`); ``--study DIR_OR_FILE`` instead of a ledger: the
   report of a hyperparameter-tuning study (:class:`dpcore.study.Study`).
@@ -46,9 +51,16 @@ from ._cli_options import (  # noqa: F401 (epsilon_summary, mf_summary, sampler_
     _participation,
     _sampler_kw,
     _strategy,
+    ELS,
+    ULS,
+    check_privacy_unit,
+    els_summary,
+    els_text,
     epsilon_summary,
     mf_summary,
     sampler_table,
+    user_level_options,
+    uls_note,
 )
 
 
@@ -130,7 +142,20 @@ def _cmd_epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> D
     steps = _steps_of(args, parser, args.q)
     if steps is None:
         parser.error("give --steps or --epochs")
+    unit = check_privacy_unit(args, parser)
+    if unit == ULS:  # the ordinary command, over the user population
+        k, args.privacy_unit, args.examples_per_user = args.examples_per_user, "example", None
+        return uls_note(_cmd_epsilon(args, parser), k)
     sampler = _check_sampler_args(args, parser)
+    if unit == ELS:
+        with _Spinner("accounting"):
+            out = els_summary(args.q, args.z, steps, args.delta, args.max_examples_per_user)
+        out["neighboring"] = args.neighboring or "add_or_remove"  # zero-out reads the same pair
+        out["text"] = (
+            f"user-level ε = {out['epsilon']:.6g} at δ = {args.delta:g} (pld, {out['neighboring']}) after {steps} steps, "
+            f"q = {args.q:g}, σ = {args.z:g} (lower bound {out['epsilon_pld_lower_bound']:.6g})\n" + els_text(out)
+        )
+        return out
     if sampler == "all":
         with _Spinner("accounting"):
             return sampler_table(args, parser, steps)
@@ -187,7 +212,13 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
     _noise_mechanism(args, parser)
     steps = _steps_of(args, parser, args.q)
+    unit = check_privacy_unit(args, parser)
+    if unit == ULS:  # the ordinary command, over the user population
+        k, args.privacy_unit, args.examples_per_user = args.examples_per_user, "example", None
+        return uls_note(_cmd_calibrate(args, parser), k)
     sampler = _check_sampler_args(args, parser)
+    if unit == ELS:
+        return _calibrate_els(args, parser, steps)
     if sampler == "all":
         parser.error("--sampler all is for `dpcore epsilon`; calibrate for one sampler")
     if sampler is not None:
@@ -217,6 +248,28 @@ def _cmd_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             out.update(steps=t, sampling_probability=args.q, noise_multiplier=args.z)
             text = f"steps = {t} (q = {args.q:g}, σ = {args.z:g}; {t * args.q:.4g} epochs)"
     out["text"] = f"{text} for ε = {args.epsilon:g} at δ = {args.delta:g} ({args.accountant})"
+    return out
+
+
+def _calibrate_els(args: argparse.Namespace, parser: argparse.ArgumentParser, steps: Optional[int]) -> Dict[str, Any]:
+    """The noise multiplier of ELS for a user-level target (:func:`dpcore.plan.calibrate_noise`
+    with ``max_examples_per_user``)."""
+    from .plan import calibrate_noise
+
+    if steps is None or args.z is not None:
+        parser.error("--max-examples-per-user calibrates the noise multiplier: give -q and --steps (or --epochs), not -z")
+    k = args.max_examples_per_user
+    with _Spinner("calibrating"):
+        z = calibrate_noise(args.epsilon, args.delta, sampler="poisson", sampling_probability=args.q, steps=steps,
+                            neighboring=args.neighboring, max_examples_per_user=k)
+        summary = els_summary(args.q, z, steps, args.delta, k)
+    out: Dict[str, Any] = {key: v for key, v in summary.items() if not key.startswith("epsilon")}
+    out.update(epsilon=args.epsilon, delta=args.delta, epsilon_achieved=summary["epsilon"],
+               epsilon_group_privacy=summary["epsilon_group_privacy"])
+    out["text"] = (
+        f"noise multiplier σ = {z:.6g} (q = {args.q:g}, {steps} steps) for user-level ε = {args.epsilon:g} at "
+        f"δ = {args.delta:g} (pld; achieved {summary['epsilon']:.6g})\n" + els_text(summary)
+    )
     return out
 
 
@@ -525,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: pld, or the tightest certified accountant of --sampler")
     sampler_options(e, allow_all=True)
     mf_options(e)
+    user_level_options(e, _count)
     common(e)
 
     c = sub.add_parser("calibrate", help="the noise multiplier, sampling probability or steps for a target ε "
@@ -539,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: pld, or the tightest certified accountant of --sampler")
     sampler_options(c, allow_all=False)
     mf_options(c)
+    user_level_options(c, _count)
     common(c)
 
     r = sub.add_parser("report", help="the privacy report of a ledger (Ponomareva et al. 2023, §5.3.3)")

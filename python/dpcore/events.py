@@ -50,7 +50,8 @@ QUERY_EVENTS = (
 ACCOUNTANT_EVENTS = (
     "Event", "GaussianEvent", "DiscreteGaussianEvent", "PoissonSampledEvent", "SampledWithoutReplacementEvent",
     "TruncatedPoissonSampledEvent", "BallsInBinsSampledEvent", "RandomAllocationSampledEvent", "RepeatAndSelectEvent",
-    "SelfComposedEvent", "ComposedEvent", "NonPrivateEvent", "event_from_dict",
+    "MixtureOfGaussiansEvent", "example_level_sampling_event", "SelfComposedEvent", "ComposedEvent", "NonPrivateEvent",
+    "event_from_dict",
 )
 __all__ = [*QUERY_EVENTS, *ACCOUNTANT_EVENTS]
 
@@ -299,7 +300,7 @@ class Event:
             if isinstance(v, Event):
                 v = v.to_dict()
             elif isinstance(v, tuple):
-                v = [e.to_dict() for e in v]
+                v = [e.to_dict() if isinstance(e, Event) else e for e in v]
             out[f.name] = v
         return out
 
@@ -509,6 +510,97 @@ class RepeatAndSelectEvent(Event):
         if not shape >= 0:
             raise ValueError(f"shape must be >= 0 (inf: Poisson), got {shape}")
         _settle(self, mean=mean, shape=shape)
+
+
+def _reals(name: str, values: Any) -> Tuple[float, ...]:
+    """``values`` as a non-empty tuple of finite floats (a str or a mapping is not a sequence of them)."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
+    out = tuple(_finite(f"{name}[{i}]", v) for i, v in enumerate(values))
+    if not out:
+        raise ValueError(f"{name} must hold at least one value")
+    return out
+
+
+@dataclass(frozen=True)
+class MixtureOfGaussiansEvent(Event):
+    """The mixture-of-Gaussians mechanism (Ganesh 2024, "Tight Group-Level DP Guarantees for
+    DP-SGD with Sampling via Mixture of Gaussians Mechanisms", arXiv:2401.10294): one step whose
+    sum query moves by ``sensitivities[k]`` (in units of the clip norm C) with probability
+    ``probabilities[k]``, with Gaussian noise of standard deviation ``noise_multiplier``·C. Under
+    add-or-remove its dominating pair is, with z the noise multiplier,
+
+        P = Σ_k p_k·N(s_k, z²)  against  Q = N(0, z²),
+
+    in both directions (P against Q, and Q against P): the shape of dp_accounting's
+    ``MixtureOfGaussiansDpEvent(standard_deviation, sensitivities, sampling_probs)``, with the
+    standard deviation given relative to C as everywhere in dpcore.
+
+    It is the step of example-level sampling with a user-level guarantee (ELS; Charles et al.
+    2024, "Fine-Tuning Large Language Models with User-Level Differential Privacy",
+    arXiv:2407.07737): a user holds at most K examples, each Poisson-sampled at rate q and
+    clipped to C, so removing the user moves the sum by at most k·C with probability
+    Binom(K, q)(k), and the worst case puts the k contributions in one direction (Ganesh 2024);
+    :func:`example_level_sampling_event` builds it. Poisson sampling of one record is the
+    mixture with sensitivities (0, 1) and probabilities (1 − q, q), and the accountant analyses
+    such a mixture exactly as the :class:`PoissonSampledEvent` it is.
+
+    ``sensitivities`` are finite and ≥ 0; ``probabilities`` are in [0, 1], as many, and sum to 1
+    (within 1e-9; the accountant divides them by their sum). Analysed by
+    :class:`~dpcore.accounting.PldAccountant` under add-or-remove only (no Rényi bound of it is
+    implemented).
+    """
+
+    noise_multiplier: float
+    sensitivities: Tuple[float, ...]
+    probabilities: Tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _set_noise_multiplier(self)
+        s = _reals("sensitivities", self.sensitivities)
+        p = _reals("probabilities", self.probabilities)
+        if len(s) != len(p):
+            raise ValueError(f"sensitivities and probabilities must have the same length, got {len(s)} and {len(p)}")
+        if any(v < 0 for v in s):
+            raise ValueError(f"sensitivities must be >= 0, got {min(s)}")
+        if any(not 0.0 <= v <= 1.0 for v in p):
+            raise ValueError(f"probabilities must be in [0, 1], got {[v for v in p if not 0.0 <= v <= 1.0][0]}")
+        total = math.fsum(p)
+        if abs(total - 1.0) > 1e-9:
+            raise ValueError(f"probabilities must sum to 1, got {total!r}")
+        object.__setattr__(self, "sensitivities", s)
+        object.__setattr__(self, "probabilities", p)
+
+
+def _binomial_pmf(k: int, q: float) -> Tuple[float, ...]:
+    """Binom(k, q)(j) for j = 0..k, each from its logarithm (no overflow of the binomial
+    coefficient; q = 0 and q = 1 exactly)."""
+    if q == 0.0:
+        return (1.0,) + (0.0,) * k
+    if q == 1.0:
+        return (0.0,) * k + (1.0,)
+    lq, l1q = math.log(q), math.log1p(-q)
+    lgk = math.lgamma(k + 1)
+    p = [math.exp(lgk - math.lgamma(j + 1) - math.lgamma(k - j + 1) + j * lq + (k - j) * l1q) for j in range(k + 1)]
+    total = math.fsum(p)  # 1 up to the rounding of lgamma (~1e-13 at K = 1000)
+    return tuple(v / total for v in p)
+
+
+def example_level_sampling_event(sampling_probability: float, noise_multiplier: float,
+                                 max_examples_per_user: int) -> Event:
+    """One step of example-level sampling accounted for a user (ELS; Charles et al. 2024,
+    arXiv:2407.07737): every user's data bounded to at most K = ``max_examples_per_user``
+    examples, examples Poisson-sampled at ``sampling_probability`` q, each clipped to C, Gaussian
+    noise ``noise_multiplier``·C on the sum. Removing a user removes up to K examples, each in the
+    batch independently with probability q: the :class:`MixtureOfGaussiansEvent` with
+    sensitivities 0, 1, ..., K and probabilities Binom(K, q)(k) = C(K, k)·q^k·(1 − q)^(K−k)
+    (Ganesh 2024, arXiv:2401.10294). K = 1 is example-level accounting: ``PoissonSampledEvent(q, GaussianEvent(z))``,
+    returned as such (so that its ε is the example-level ε exactly)."""
+    q = _probability("sampling_probability", sampling_probability)
+    k = _count("max_examples_per_user", max_examples_per_user, 1)
+    if k == 1:
+        return PoissonSampledEvent(q, GaussianEvent(noise_multiplier))
+    return MixtureOfGaussiansEvent(noise_multiplier, tuple(float(j) for j in range(k + 1)), _binomial_pmf(k, q))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Type
 
 from .accounting.base import check_accountant
 from .accounting.calibration import calibrate_noise_multiplier
-from .accounting.samplers import calibrate_sampler_noise, sampler_epsilon
+from .accounting.samplers import calibrate_noise_for, calibrate_sampler_noise, poisson_start, sampler_epsilon
 from ._validate import count as _count, positive as _positive, real as _real
 from .sampling import Sampler, sampler_class
 
@@ -37,8 +37,11 @@ __all__ = [
     "steps_for_epochs",
 ]
 
-#: The privacy units: one training example, or all the examples of one user (a later issue).
-PRIVACY_UNITS = ("example",)
+#: The privacy units: one training example, or all the examples of one user. A user-level plan
+#: gives one of two bounds (:func:`make_plan`): ``examples_per_user`` (user-level sampling, ULS:
+#: users are the records) or ``max_examples_per_user`` (example-level sampling, ELS: examples are
+#: sampled, the user is accounted as a mixture of Gaussians).
+PRIVACY_UNITS = ("example", "user")
 #: The clipping modes: one norm over the whole gradient, one per layer, or per-layer bounds
 #: clipped jointly (torch only).
 CLIPPING = ("flat", "per_layer", "joint")
@@ -83,11 +86,19 @@ def calibrate_noise(
     neighboring: Optional[str] = None,
     accountant: Optional[str] = None,
     steps_per_epoch: Optional[int] = None,
+    max_examples_per_user: Optional[int] = None,
     **options: Any,
 ) -> float:
     """The smallest noise multiplier z (from above; never over the target) such that ``steps``
     steps of ``sampler`` are (``target_epsilon``, ``target_delta``)-DP under ``neighboring``
     (None: the sampler's default relation) by ``accountant`` (None: the sampler's own).
+
+    ``max_examples_per_user`` = K: example-level sampling with a user-level guarantee (ELS):
+    Poisson sampling of examples at ``sampling_probability``, each user's data bounded to at
+    most K examples, the target met for a user: z is found by a search over the
+    mixture-of-Gaussians event (:func:`dpcore.events.example_level_sampling_event`, accounted by
+    PLD; :func:`dpcore.accounting.samplers.calibrate_noise_for`). K = 1 is the example-level
+    calibration itself.
 
     The one calibration path of dpcore: Poisson sampling under add-or-remove or zero-out by the
     core's calibration of the Poisson-subsampled Gaussian
@@ -96,6 +107,11 @@ def calibrate_noise(
     epochs begun); every other sampler by a search over its own event (:func:`dpcore.accounting.samplers.calibrate_sampler_noise`)."""
     cls = sampler_class(sampler)
     rel = cls.check_relation(cls.default_relation if neighboring is None else neighboring)
+    if max_examples_per_user is not None:
+        k = _user_bound("max_examples_per_user", max_examples_per_user)
+        _check_els(sampler, accountant)
+        if k > 1:
+            return _calibrate_els(target_epsilon, target_delta, sampling_probability, steps, k, rel)
     acct = calibration_accountant(sampler, accountant)
     if cls.name == "poisson" or (not cls.amplified and rel == "zero_out"):
         cls.event(1.0, steps, sampling_probability=sampling_probability, population_size=population_size,
@@ -112,6 +128,49 @@ def calibrate_noise(
         population_size=population_size, accountant=acct, neighboring=rel, steps_per_epoch=steps_per_epoch,
         **options,
     )
+
+
+def _user_bound(name: str, value: Any) -> int:
+    """``examples_per_user`` or ``max_examples_per_user``: an int ≥ 1 (bool refused)."""
+    return _count(name, value, 1)
+
+
+def _check_els(sampler: str, accountant: Optional[str]) -> None:
+    """What example-level sampling with a user-level guarantee needs: Poisson sampling (the
+    mixture-of-Gaussians analysis is that of independently sampled examples) and the PLD
+    accountant (no Rényi bound of the mixture is implemented)."""
+    if sampler != "poisson":
+        raise ValueError(
+            f"max_examples_per_user (example-level sampling with a user-level guarantee) is accounted for Poisson "
+            f"sampling of examples only, got sampler={sampler!r}; use sampler='poisson', or user-level sampling "
+            "(examples_per_user=, users as the records) with this sampler"
+        )
+    if accountant not in (None, "pld"):
+        raise ValueError(
+            "max_examples_per_user is accounted by PLD only (the user is a mixture of Gaussians, and no Rényi bound "
+            f"of it is implemented); got accountant={accountant!r}"
+        )
+
+
+def els_event(noise_multiplier: float, steps: int, sampling_probability: float, max_examples_per_user: int) -> Any:
+    """``steps`` steps of example-level sampling with a user-level guarantee: the
+    mixture-of-Gaussians step (:func:`dpcore.events.example_level_sampling_event`) composed
+    ``steps`` times."""
+    from .events import SelfComposedEvent, example_level_sampling_event
+
+    return SelfComposedEvent(example_level_sampling_event(sampling_probability, noise_multiplier, max_examples_per_user),
+                             _count("steps", steps))
+
+
+def _calibrate_els(target_epsilon: float, target_delta: float, q: float, steps: int, k: int, rel: str) -> float:
+    """z for ELS with K = ``k`` ≥ 2 (see :func:`calibrate_noise`); from the example-level
+    calibration at the same rate (a lower start: a user costs more than an example)."""
+    els_event(1.0, steps, q, k)  # validates q and steps before the search
+    if _count("steps", steps) == 0:
+        return 0.0
+    start = poisson_start(target_epsilon, target_delta, q, steps)
+    return calibrate_noise_for(lambda z: els_event(z, steps, q, k), target_epsilon, target_delta, "pld",
+                               start=None if start is None else start * math.sqrt(k), neighboring="add_or_remove")
 
 
 @dataclass(frozen=True)
@@ -135,13 +194,24 @@ class Plan:
     epochs: Optional[float] = None
     target_epsilon: Optional[float] = None
     target_delta: Optional[float] = None
+    #: User-level sampling (ULS): each sampled user contributes the clipped mean of at most this
+    #: many of its examples per step; the records are users (None: not a ULS plan).
+    examples_per_user: Optional[int] = None
+    #: Example-level sampling with a user-level guarantee (ELS): each user's data is bounded to at
+    #: most this many examples in total, and examples are Poisson-sampled (None: not an ELS plan).
+    max_examples_per_user: Optional[int] = None
 
     @property
     def sampler_class(self) -> Type[Sampler]:
         return sampler_class(self.sampler)
 
     def event(self) -> Any:
-        """The accountant event of the planned steps (:meth:`dpcore.sampling.Sampler.event`)."""
+        """The accountant event of the planned steps (:meth:`dpcore.sampling.Sampler.event`);
+        for ELS (``max_examples_per_user``), the mixture-of-Gaussians step composed ``steps``
+        times (:func:`dpcore.events.example_level_sampling_event`). A ULS plan's event is the
+        sampler's, with users as the records."""
+        if self.max_examples_per_user is not None:
+            return els_event(self.noise_multiplier, self.steps, self.sampling_probability, self.max_examples_per_user)
         return self.sampler_class.event(
             self.noise_multiplier, self.steps, sampling_probability=self.sampling_probability,
             population_size=self.population_size, neighboring=self.neighboring, steps_per_epoch=self.steps_per_epoch,
@@ -153,6 +223,10 @@ class Plan:
         d = self.target_delta if delta is None else delta
         if d is None:
             raise ValueError("give delta (the plan has no target_delta)")
+        if self.max_examples_per_user is not None:
+            from .accounting.base import make_accountant
+
+            return make_accountant(self.accountant).compose(self.event()).get_epsilon(d)
         return sampler_epsilon(
             self.sampler, self.noise_multiplier, self.steps, d, sampling_probability=self.sampling_probability,
             population_size=self.population_size, accountant=self.accountant, neighboring=self.neighboring,
@@ -177,15 +251,50 @@ def make_plan(
     clipping: str = "flat",
     max_grad_norm: Optional[float] = None,
     noise_mechanism: str = "gaussian",
+    examples_per_user: Optional[int] = None,
+    max_examples_per_user: Optional[int] = None,
     **options: Any,
 ) -> Plan:
     """Resolves a run: ``steps`` (or ``epochs``, by :func:`steps_for_epochs`), and
     ``noise_multiplier`` (or ``target_epsilon`` with ``target_delta``, by :func:`calibrate_noise`).
-    Every choice is checked here, once, before anything is drawn or recorded."""
+    Every choice is checked here, once, before anything is drawn or recorded.
+
+    ``privacy_unit="user"`` takes exactly one of two bounds (and ``"example"`` neither):
+
+    * ``examples_per_user=k``: user-level sampling (ULS). The sampler draws users (Poisson over
+      the user population by default, ``sampling_probability`` the rate of a *user*,
+      ``population_size`` the number of users) and each sampled user contributes the clipped mean
+      of at most k of its examples: the plan, its ε and its calibration are the example-level
+      ones with users as the records.
+    * ``max_examples_per_user=K``: example-level sampling with a user-level guarantee (ELS;
+      Charles et al. 2024, arXiv:2407.07737): each user's data bounded to at most K examples in
+      total, examples Poisson-sampled at ``sampling_probability``; the event is the
+      mixture-of-Gaussians step (Ganesh 2024) composed over the steps, accounted and calibrated
+      by PLD (:func:`calibrate_noise`). Poisson sampling and Gaussian noise only.
+    """
     cls = sampler_class(sampler)
     rel = cls.check_relation(cls.default_relation if neighboring is None else neighboring)
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
+    if privacy_unit == "user":
+        if (examples_per_user is None) == (max_examples_per_user is None):
+            raise ValueError(
+                "privacy_unit='user' takes exactly one of examples_per_user= (user-level sampling: users are the records, "
+                "each contributes the clipped mean of at most that many examples per step) and max_examples_per_user= "
+                "(example-level sampling: each user's data bounded to at most that many examples in total)"
+            )
+    elif examples_per_user is not None or max_examples_per_user is not None:
+        given = "examples_per_user" if examples_per_user is not None else "max_examples_per_user"
+        raise ValueError(f"{given} bounds a user's contribution: it needs privacy_unit='user' (got {privacy_unit!r})")
+    k_uls = None if examples_per_user is None else _user_bound("examples_per_user", examples_per_user)
+    k_els = None if max_examples_per_user is None else _user_bound("max_examples_per_user", max_examples_per_user)
+    if k_els is not None:
+        _check_els(sampler, accountant)
+        if noise_mechanism != "gaussian":
+            raise ValueError(
+                f"max_examples_per_user is accounted for Gaussian noise (a mixture of Gaussians), got "
+                f"noise_mechanism={noise_mechanism!r}"
+            )
     if clipping not in CLIPPING:
         raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
     if noise_mechanism not in NOISE_MECHANISMS:
@@ -208,7 +317,8 @@ def make_plan(
             raise TypeError("target_epsilon needs target_delta")
         z = calibrate_noise(target_epsilon, target_delta, sampler=sampler,  # type: ignore[arg-type]
                             sampling_probability=sampling_probability, steps=s, population_size=population_size,
-                            neighboring=rel, accountant=acct, steps_per_epoch=steps_per_epoch, **opts)
+                            neighboring=rel, accountant=acct, steps_per_epoch=steps_per_epoch,
+                            max_examples_per_user=k_els, **opts)
     else:
         z = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
     e = None if epochs is None else _real("epochs", epochs)
@@ -220,4 +330,5 @@ def make_plan(
         sampler_options={k: v for k, v in opts.items() if v is not None and not (k == "num_selected" and v == 1)},
         steps_per_epoch=steps_per_epoch, privacy_unit=privacy_unit, clipping=clipping, max_grad_norm=max_grad_norm,
         noise_mechanism=noise_mechanism, epochs=e, target_epsilon=target_epsilon, target_delta=target_delta,
+        examples_per_user=k_uls, max_examples_per_user=k_els,
     )

@@ -3,7 +3,9 @@
 Describe the run with events (:mod:`dpcore.events`), compose them into an accountant
 (:class:`PrivacyAccountant`: :class:`PldAccountant`, the tightest and the default everywhere,
 or :class:`RdpAccountant`), ask for ε (or δ). Calibration helpers find the noise, sampling rate
-or steps for a target ε under either. See :mod:`dpcore.accounting.pld` and
+or steps for a target ε under either. A user-level guarantee for example-level sampling is the
+mixture-of-Gaussians event (:func:`example_level_sampling_event`, PLD only), with
+:func:`group_privacy_epsilon` as the looser cross-check. See :mod:`dpcore.accounting.pld` and
 :mod:`dpcore.accounting.rdp` for the papers and equations behind every number.
 """
 
@@ -29,6 +31,7 @@ from .rdp import (
 )
 
 from .calibration import calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps
+from .group import group_privacy_epsilon
 from .events import *  # noqa: F401,F403 (the accountant events, ACCOUNTANT_EVENTS)
 from ..events import ACCOUNTANT_EVENTS
 from .interop import from_dp_accounting, to_dp_accounting
@@ -60,6 +63,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_sampling_probability",
     "calibrate_steps",
+    "group_privacy_epsilon",
     "rdp_repeat_and_select",
     "rdp_random_allocation",
     "draw_num_runs",

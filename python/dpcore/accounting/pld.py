@@ -30,6 +30,15 @@ The math runs in Rust (``rust/accounting/pld``):
 * ε(δ), δ(ε) from the hockey-stick divergence (Sommer, Meiser, Mohammadi 2019, Theorem 1).
 * Without subsampling the composition is one Gaussian mechanism, and ε comes from the analytic
   formula (Balle & Wang 2018, arXiv:1805.06530, Theorem 8).
+* Mixture-of-Gaussians steps (:class:`~dpcore.events.MixtureOfGaussiansEvent`: the pair
+  P = Σ_k p_k·N(s_k, z²) against Q = N(0, z²) in both directions, Ganesh 2024, arXiv:2401.10294;
+  the step of example-level sampling with a user-level guarantee, Charles et al. 2024,
+  arXiv:2407.07737) are discretised by the same connect-the-dots construction and composed by
+  FFT in numpy (:mod:`dpcore.accounting._mixture_pld`), together with every Poisson and Gaussian
+  step composed beside them (each a mixture: (0, 1) with (1 − q, q)). A mixture that is a
+  Poisson-subsampled Gaussian (two sensitivities, one of them 0) goes to the core as one, so its
+  ε is the example-level one exactly. Truncated Poisson steps do not compose with mixtures here
+  (refused).
 
 Not supported, with a clear error: fixed-size sampling without replacement. The PLD of its
 worst-case pair is not known to be sound under composition (Lebeda, Regehr, Kamath, Steinke
@@ -47,7 +56,7 @@ from .. import _core
 from ..events import ComposedEvent, Event, DiscreteGaussianEvent, GaussianEvent, NonPrivateEvent
 from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent, TruncatedPoissonSampledEvent
 from ..events import RepeatAndSelectEvent
-from ..events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
+from ..events import BallsInBinsSampledEvent, MixtureOfGaussiansEvent, RandomAllocationSampledEvent
 from ._params import check_delta, check_epsilon, gaussian_noise_multiplier
 from .base import PrivacyAccountant, UnsupportedEventError, register_accountant
 
@@ -63,15 +72,27 @@ def _interval(v: Optional[float]) -> Optional[float]:
     return v
 
 
+#: A mixture-of-Gaussians step as the accountant keys it: (z, sensitivities, weights), the
+#: sensitivities distinct and increasing, the weights > 0 and summing to 1, some s > 0.
+_Mixture = Tuple[float, Tuple[float, ...], Tuple[float, ...]]
+
+
 class _Tally:
     """What composing an event adds to a :class:`PldAccountant`: step counts by group."""
 
-    __slots__ = ("groups", "truncated", "non_private")
+    __slots__ = ("groups", "truncated", "mixtures", "non_private")
 
     def __init__(self) -> None:
         self.groups: Dict[Tuple[float, float], int] = {}
         self.truncated: Dict[Tuple[float, float, int, int], int] = {}
+        self.mixtures: Dict[_Mixture, int] = {}
         self.non_private = False
+
+
+def _down(x: float, ulps: int = 2) -> float:
+    for _ in range(ulps):
+        x = math.nextafter(x, 0.0)
+    return x
 
 
 @register_accountant("pld")
@@ -92,6 +113,8 @@ class PldAccountant(PrivacyAccountant):
         self._groups: Dict[Tuple[float, float], int] = {}
         # Truncated-Poisson steps by (q, z, max_batch_size, population_size).
         self._truncated: Dict[Tuple[float, float, int, int], int] = {}
+        # Mixture-of-Gaussians steps by (z, sensitivities, weights).
+        self._mixtures: Dict[_Mixture, int] = {}
         self._non_private = False
 
     @property
@@ -103,6 +126,12 @@ class PldAccountant(PrivacyAccountant):
     def _tally(self, event: Event, count: int) -> _Tally:
         t = _Tally()
         self._walk(event, count, t, 0)
+        if (t.mixtures or self._mixtures) and (t.truncated or self._truncated):
+            raise UnsupportedEventError(
+                "PldAccountant cannot compose truncated-Poisson steps with mixture-of-Gaussians steps (example-level "
+                "sampling with a user-level guarantee): the mixtures are composed in numpy, the truncated-Poisson "
+                "analysis only in the core; account them in separate runs"
+            )
         return t
 
     def _record(self, t: _Tally) -> None:
@@ -110,6 +139,8 @@ class PldAccountant(PrivacyAccountant):
             self._groups[k] = self._groups.get(k, 0) + c
         for k, c in t.truncated.items():
             self._truncated[k] = self._truncated.get(k, 0) + c
+        for k, c in t.mixtures.items():
+            self._mixtures[k] = self._mixtures.get(k, 0) + c
         self._non_private |= t.non_private
 
     def _walk(self, e: Event, count: int, t: _Tally, depth: int) -> None:
@@ -156,6 +187,8 @@ class PldAccountant(PrivacyAccountant):
             )
         elif isinstance(e, (PoissonSampledEvent, TruncatedPoissonSampledEvent)):
             self._walk_sampled(e, count, t)
+        elif isinstance(e, MixtureOfGaussiansEvent):
+            self._walk_mixture(e, count, t)
         else:
             raise UnsupportedEventError(f"PldAccountant cannot analyse {type(e).__name__}")
 
@@ -186,6 +219,64 @@ class PldAccountant(PrivacyAccountant):
         else:
             t.groups[(e.sampling_probability, z)] = t.groups.get((e.sampling_probability, z), 0) + count
 
+    def _walk_mixture(self, e: MixtureOfGaussiansEvent, count: int, t: _Tally) -> None:
+        """A mixture-of-Gaussians step: its components merged by sensitivity (zero weights
+        dropped, weights divided by their sum); a Poisson-subsampled or plain Gaussian in
+        disguise goes to the core's groups (z/s rounded down: a smaller z never understates ε)."""
+        if self.neighboring != "add_or_remove":
+            raise UnsupportedEventError(
+                f"PldAccountant cannot analyse {type(e).__name__} under neighboring={self.neighboring!r}: the "
+                "mixture-of-Gaussians pair is analysed under 'add_or_remove' (PldAccountant())"
+            )
+        merged: Dict[float, float] = {}
+        for sv, pv in zip(e.sensitivities, e.probabilities):
+            if pv > 0:
+                merged[sv] = merged.get(sv, 0.0) + pv
+        total = math.fsum(merged.values())
+        sens = tuple(sorted(merged))
+        if not any(sv > 0 for sv in sens) or count == 0:
+            return  # nothing of the record is ever released
+        z = e.noise_multiplier
+        if z == 0:
+            t.non_private = True
+            return
+        if math.isinf(z):
+            return
+        weights = tuple(merged[sv] / total for sv in sens)
+        positive = [sv for sv in sens if sv > 0]
+        if len(positive) == 1:  # the Poisson-subsampled Gaussian (q = 1: the Gaussian) of noise z/s
+            sv = positive[0]
+            q = weights[-1]
+            zs = z if sv == 1.0 else _down(z / sv)
+            key = (1.0 if len(sens) == 1 else q, zs)
+            t.groups[key] = t.groups.get(key, 0) + count
+            return
+        key3 = (z, sens, weights)
+        t.mixtures[key3] = t.mixtures.get(key3, 0) + count
+
+    def _kinds(self) -> list:
+        """Every step as a mixture (the numpy path, :mod:`._mixture_pld`): Poisson groups as
+        (0, 1) with (1 − q, q); the unsampled Gaussians merged into one (1/z² adds up; rounded
+        down)."""
+        from ._mixture_pld import Kind
+
+        kinds = [Kind(z, s, w, c) for (z, s, w), c in self._mixtures.items() if c > 0]
+        inv = 0.0
+        for (q, z), c in self._groups.items():
+            if c == 0 or q == 0 or math.isinf(z):
+                continue
+            if q == 1.0:
+                inv += c / (z * z)
+            else:
+                kinds.append(Kind(z, (0.0, 1.0), (1.0 - q, q), c))
+        if inv > 0:
+            kinds.append(Kind(_down(1.0 / math.sqrt(inv), 4), (1.0,), (1.0,), 1))
+        return kinds
+
+    def _numpy_non_private(self) -> bool:
+        """A Gaussian step without noise on a sample that can hold the record (the core's rule)."""
+        return any(c > 0 and q > 0 and z == 0 for (q, z), c in self._groups.items())
+
     def _g(self):
         return [(q, z, float(c)) for (q, z), c in self._groups.items() if c > 0]
 
@@ -202,6 +293,8 @@ class PldAccountant(PrivacyAccountant):
         d = check_delta(delta)
         if self._non_private:
             return math.inf, math.inf
+        if self._mixtures:
+            return self._mixture_epsilon(d, True)
         lo, up, _ = _core.pld_epsilon_bounds(self._g(), d, self._interval, True, self._t())
         return lo, up
 
@@ -210,6 +303,8 @@ class PldAccountant(PrivacyAccountant):
         d = check_delta(delta)
         if self._non_private:
             return math.inf
+        if self._mixtures:
+            return self._mixture_epsilon(d, False)[1]
         return _core.pld_epsilon_bounds(self._g(), d, self._interval, False, self._t())[1]
 
     def get_delta_bounds(self, epsilon: float) -> Tuple[float, float]:
@@ -219,6 +314,8 @@ class PldAccountant(PrivacyAccountant):
             return 1.0, 1.0
         if math.isinf(e):
             return 0.0, 0.0
+        if self._mixtures:
+            return self._mixture_delta(e, True)
         lo, up, _ = _core.pld_delta_bounds(self._g(), e, self._interval, True, self._t())
         return lo, up
 
@@ -229,4 +326,20 @@ class PldAccountant(PrivacyAccountant):
             return 1.0
         if math.isinf(e):
             return 0.0
+        if self._mixtures:
+            return self._mixture_delta(e, False)[1]
         return _core.pld_delta_bounds(self._g(), e, self._interval, False, self._t())[1]
+
+    def _mixture_epsilon(self, delta: float, lower: bool) -> Tuple[float, float]:
+        from . import _mixture_pld
+
+        if self._numpy_non_private():
+            return math.inf, math.inf
+        return _mixture_pld.epsilon_bounds(self._kinds(), delta, self._interval, lower)
+
+    def _mixture_delta(self, epsilon: float, lower: bool) -> Tuple[float, float]:
+        from . import _mixture_pld
+
+        if self._numpy_non_private():
+            return 1.0, 1.0
+        return _mixture_pld.delta_bounds(self._kinds(), epsilon, self._interval, lower)

@@ -39,7 +39,7 @@ from .. import _core
 from ..events import ComposedEvent, DiscreteGaussianEvent, Event, GaussianEvent, NonPrivateEvent
 from ..events import PoissonSampledEvent, SampledWithoutReplacementEvent, SelfComposedEvent
 from ..events import RepeatAndSelectEvent
-from ..events import BallsInBinsSampledEvent, RandomAllocationSampledEvent
+from ..events import BallsInBinsSampledEvent, MixtureOfGaussiansEvent, RandomAllocationSampledEvent
 from .._validate import count as _count, probability, real as _real
 from ._params import DEFAULT_ORDERS, NEIGHBORING, check_delta, check_epsilon, check_orders, gaussian_noise_multiplier
 from .allocation import check_allocation_event, rdp_random_allocation
@@ -267,6 +267,12 @@ class RdpAccountant(PrivacyAccountant):
                 t.non_private = True
             elif z is not None:
                 _add(t.allocation, (ra.num_steps, ra.num_selected, z), count)
+        elif isinstance(e, MixtureOfGaussiansEvent):
+            raise UnsupportedEventError(
+                "RdpAccountant cannot analyse MixtureOfGaussiansEvent (example-level sampling with a user-level "
+                "guarantee): no certified Rényi bound of the mixture-of-Gaussians mechanism is implemented; use "
+                "PldAccountant (accountant='pld'), which accounts it tightly"
+            )
         else:
             raise UnsupportedEventError(f"RdpAccountant cannot analyse {type(e).__name__} events")
 

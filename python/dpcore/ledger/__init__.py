@@ -46,6 +46,18 @@ and round indices increase by one: checked when recording and when reading. The 
 one event per round (:mod:`._events`). The core's fast reader refuses these entries (an unknown
 policy, unknown keys), so that the reader here, the reference, reads such a ledger.
 
+A ledger whose privacy unit is ``"user"`` (the header's ``privacy_unit``) may record on each
+sample the bound on a user's contribution, again only when given: ``examples_per_user`` k for
+user-level sampling (the population and the sample are users; each sampled user contributes the
+clipped mean of at most k of its examples) or ``max_examples_per_user`` K for example-level
+sampling with a user-level guarantee (each user's data bounded to at most K examples over the
+run; the sample is of examples, Poisson only; K is one value on every sample of the ledger)::
+
+    {"type": "sample", "sample": 0, "population_size": 48210, "sampling_probability": 0.01,
+     "policy": "poisson", "sample_size": null, "seeded": false, "max_examples_per_user": 16}
+
+The accountant reads an ELS sample as a mixture of Gaussians (:mod:`._events`).
+
 Durability: a sample's entries are written with one ``write`` and ``fsync``-ed before
 :meth:`PrivacyLedger.record_release` returns, and callers return a noised result only after
 that (see :class:`dpcore.PrivateAggregator`). A crash can therefore only tear the entries of a
@@ -92,6 +104,7 @@ from ._entries import (
     _stream_entries,
     _tuples_of,
     check_round,
+    check_user_bounds,
     last_round_of,
     streams_of,
 )
@@ -220,6 +233,8 @@ class PrivacyLedger:
         step_in_round: Optional[int] = None,
         round_steps: Optional[int] = None,
         round_selected: Optional[int] = None,
+        examples_per_user: Optional[int] = None,
+        max_examples_per_user: Optional[int] = None,
     ) -> int:
         """Records that a sample was drawn (§5, §6); returns its id.
 
@@ -242,14 +257,28 @@ class PrivacyLedger:
         accountant reads one event per round, which covers only such a round).
         ``seeded``: the sample came from a test seed. The entry is written together with the
         sample's first release (a sample nothing was released from costs no privacy).
+
+        A ledger of privacy unit ``"user"`` states the bound on a user's contribution (at most
+        one of the two; both only in such a ledger, else :class:`LedgerError`):
+        ``examples_per_user`` = k, user-level sampling (the population and the sample are
+        users, each sampled user contributes the clipped mean of at most k of its examples;
+        accounted as the example-level analysis with users as records), or
+        ``max_examples_per_user`` = K, example-level sampling with a user-level guarantee (each
+        user's data bounded to at most K examples in total, examples Poisson-sampled; policy
+        ``"poisson"`` only, and one K on every sample of the ledger, since it bounds the whole
+        run; accounted as a mixture of Gaussians, Ganesh 2024). A sample of a user-level ledger
+        without either is a sample of users whose contribution is clipped as one record. On any
+        refusal nothing is recorded.
         """
         self._writable()
         sid = len(self._samples)
         pending = _sample_entry(
             sid, population_size, sampling_probability, policy, sample_size, seeded,
             round, step_in_round, round_steps, round_selected,
+            examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user,
         )
-        why = check_round(self._samples[-1] if len(self._samples) else None, self._last_round, pending)
+        prev = self._samples[-1] if len(self._samples) else None
+        why = check_round(prev, self._last_round, pending) or check_user_bounds(self._unit, prev, pending)
         if why is not None:
             raise LedgerError(f"{self._path}: {why}")
         self._pending = pending
@@ -375,8 +404,11 @@ class PrivacyLedger:
         non-private release becomes ``NonPrivateEvent`` (ε = ∞). Each allocation round (however
         many of its steps were released) becomes one ``RandomAllocationSampledEvent(t, k, ·)`` or
         ``BallsInBinsSampledEvent(t, ·)`` of a Gaussian with the smallest z of its steps (see
-        :mod:`dpcore.ledger._events`; add-or-remove only). Runs of equal events are composed with
-        ``SelfComposedEvent``.
+        :mod:`dpcore.ledger._events`; add-or-remove only). A Poisson sample recorded with
+        ``max_examples_per_user`` K ≥ 2 (example-level sampling, user-level guarantee) becomes
+        the mixture-of-Gaussians step ``example_level_sampling_event(q, z, K)``
+        (:class:`~dpcore.events.MixtureOfGaussiansEvent`; K = 1 is the Poisson event). Runs of
+        equal events are composed with ``SelfComposedEvent``.
 
         The steps of each matrix-factorization stream are left out of Eq. (1) and accounted
         together, after the per-sample events: ``GaussianEvent(z/sens)`` for cyclic fixed

@@ -70,6 +70,16 @@ ROUND_KEYS = ("round", "step_in_round", "round_steps", "round_selected")
 #: §5.3.3): recorded in the header when a ledger is created. Ledgers written before it was
 #: recorded are example-level.
 DEFAULT_PRIVACY_UNIT = "example"
+#: The privacy unit whose samples may carry a contribution bound (:data:`USER_KEYS`).
+USER = "user"
+#: The contribution bounds a sample of a user-level ledger may carry (each only when given, so
+#: that every other entry keeps the format earlier readers accept): ``examples_per_user`` k,
+#: user-level sampling (the sample is of users, each contributing the clipped mean of at most k
+#: of its examples); ``max_examples_per_user`` K, example-level sampling with a user-level
+#: guarantee (each user's data bounded to at most K examples over the whole run, the sample of
+#: examples, Poisson only; the accountant reads a user as a mixture of Gaussians). K is one
+#: value over the whole ledger: it bounds the run, not a step.
+USER_KEYS = ("examples_per_user", "max_examples_per_user")
 
 
 
@@ -109,6 +119,10 @@ class LedgerSample:
     step_in_round: Optional[int] = None
     round_steps: Optional[int] = None
     round_selected: Optional[int] = None
+    #: User-level ledgers only (None otherwise): the contribution bound of the sample (see
+    #: :data:`USER_KEYS`); at most one of the two.
+    examples_per_user: Optional[int] = None
+    max_examples_per_user: Optional[int] = None
 
     @property
     def allocation(self) -> bool:
@@ -164,6 +178,68 @@ def _prob(v: Any) -> float:
 
 
 def _sample_entry(
+    sample: int,
+    population_size: Any,
+    sampling_probability: Any,
+    policy: Any,
+    sample_size: Any,
+    seeded: Any,
+    round: Any = None,
+    step_in_round: Any = None,
+    round_steps: Any = None,
+    round_selected: Any = None,
+    *,
+    examples_per_user: Any = None,
+    max_examples_per_user: Any = None,
+) -> LedgerSample:
+    s = _policy_entry(sample, population_size, sampling_probability, policy, sample_size, seeded, round, step_in_round,
+                      round_steps, round_selected)
+    if examples_per_user is None and max_examples_per_user is None:
+        return s
+    if examples_per_user is not None and max_examples_per_user is not None:
+        raise ValueError(
+            "give examples_per_user (user-level sampling: a bound per step) or max_examples_per_user (example-level "
+            "sampling: a bound over the run), not both"
+        )
+    k = None if examples_per_user is None else _int("examples_per_user", examples_per_user, 1)
+    kk = None if max_examples_per_user is None else _int("max_examples_per_user", max_examples_per_user, 1)
+    if kk is not None and s.policy != POISSON:
+        raise ValueError(
+            f"max_examples_per_user (example-level sampling with a user-level guarantee) is accounted for Poisson "
+            f"samples of examples only, got policy {s.policy!r}"
+        )
+    return _with(s, examples_per_user=k, max_examples_per_user=kk)
+
+
+def _with(s: LedgerSample, **kw: Any) -> LedgerSample:
+    d = dict(s.__dict__)
+    d.update(kw)
+    return LedgerSample(**d)
+
+
+def check_user_bounds(unit: str, prev: Optional[LedgerSample], s: LedgerSample) -> Optional[str]:
+    """Why ``s`` cannot be a sample of a ledger of privacy unit ``unit`` whose last sample is
+    ``prev``, or None: a contribution bound needs the unit ``"user"``, and the total bound
+    ``max_examples_per_user`` is one value on every sample of the ledger (it bounds a user's
+    data over the whole run: a sample with another K, or without it, would not be covered by
+    the accounting of the others)."""
+    if (s.examples_per_user is not None or s.max_examples_per_user is not None) and unit != USER:
+        given = "examples_per_user" if s.examples_per_user is not None else "max_examples_per_user"
+        return (
+            f"{given} bounds a user's contribution, but the ledger's privacy unit is {unit!r}; record it in a "
+            "ledger created with privacy_unit='user' (a ledger's unit is fixed: units are never mixed in one ledger)"
+        )
+    if prev is not None and prev.max_examples_per_user != s.max_examples_per_user:
+        was = "no max_examples_per_user" if prev.max_examples_per_user is None else f"max_examples_per_user={prev.max_examples_per_user}"
+        now = "none" if s.max_examples_per_user is None else f"max_examples_per_user={s.max_examples_per_user}"
+        return (
+            f"the ledger's samples record {was}, this sample {now}: the bound on a user's examples is a total "
+            "over the run, one value on every sample of a ledger (start a new ledger for another bound)"
+        )
+    return None
+
+
+def _policy_entry(
     sample: int,
     population_size: Any,
     sampling_probability: Any,
@@ -481,6 +557,9 @@ def _release_entries(
         )
         if sample.allocation:  # only then: other entries keep the format every earlier reader accepts
             entries[-1].update({k: getattr(sample, k) for k in ROUND_KEYS})
+        for k in USER_KEYS:  # likewise, only when given
+            if getattr(sample, k) is not None:
+                entries[-1][k] = getattr(sample, k)
     for sid, text in (new_streams or {}).items():
         d = json.loads(text)
         entries.append(

@@ -68,6 +68,17 @@ later batch by one record: a swap each). Samples without an epoch (ledgers writt
 and cyclic samples) are read per step: ``GaussianEvent(z)`` under zero-out, ``GaussianEvent(z/2)``
 otherwise. The epoch's step count depends on n, which add-or-remove changes: n is treated as
 public there (the report says so).
+
+**Example-level sampling with a user-level guarantee** (ELS: Poisson samples recorded with
+``max_examples_per_user`` K in a user-level ledger; Charles et al. 2024, arXiv:2407.07737). Each
+user's data is bounded to at most K examples over the run, the examples are Poisson-sampled at q
+and clipped to C one by one. Removing (or zeroing) a user changes up to K examples, each in the
+sample independently with probability q: the step is the mixture-of-Gaussians mechanism with
+sensitivities 0..K (in units of the C of Eq. (1)) and weights Binom(K, q) at the z of Eq. (1)
+(Ganesh 2024, arXiv:2401.10294): ``example_level_sampling_event(q, z, K)``, K = 1 the Poisson
+event itself. Analysed under add-or-remove (zero-out reads the same pair); refused under
+replace-one and for the discrete Gaussian. Samples recorded with ``examples_per_user`` (user-level
+sampling) are samples of users, accounted as every other sample with users as the records.
 """
 
 from __future__ import annotations
@@ -301,6 +312,8 @@ def samples_to_event(
         # product's curve is α/(2z²) either way (CKS 2020, Theorem 14).
         if z == 0.0:
             ev: Any = acc.NonPrivateEvent()
+        elif s.max_examples_per_user is not None and s.max_examples_per_user > 1:
+            ev = _els_event(s, z, neighboring, path, acc)
         else:
             cls = sampler_class(s.policy)
             if not cls.amplified:
@@ -343,6 +356,23 @@ def samples_to_event(
         )
     parts = [e if k == 1 else acc.SelfComposedEvent(e, k) for e, k in events]
     return acc.ComposedEvent(tuple(parts))
+
+
+def _els_event(s: LedgerSample, z: float, neighboring: str, path: str, acc: Any) -> Any:
+    """The mixture-of-Gaussians step of an ELS sample (see the module docstring)."""
+    if neighboring == "replace_one":
+        raise ValueError(
+            f"{path}: sample {s.sample} is example-level sampling with a user-level guarantee "
+            f"(max_examples_per_user={s.max_examples_per_user}), whose mixture-of-Gaussians analysis is under "
+            "neighboring='add_or_remove' (or zero_out) only"
+        )
+    if s.discrete:
+        raise ValueError(
+            f"{path}: sample {s.sample} used the discrete Gaussian with max_examples_per_user="
+            f"{s.max_examples_per_user}: the mixture-of-Gaussians analysis of a user is for continuous Gaussian noise "
+            "only"
+        )
+    return acc.example_level_sampling_event(s.sampling_probability, z, s.max_examples_per_user)
 
 
 _ALLOCATION_REPLACE_ONE = (

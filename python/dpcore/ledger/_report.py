@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._events import StreamAccount, account_streams, analysis_relation, samples_to_event
-from ._entries import CYCLIC_POISSON, LedgerWarning
+from ._entries import CYCLIC_POISSON, USER, LedgerWarning
 from ._storage import SampleLog
 
 __all__ = ["PrivacyReport", "build_report", "epsilon_curve"]
@@ -53,6 +53,12 @@ ASSUMPTIONS = (
     "the true number of records is itself data; dpcore's adapters record the size declared with "
     "population_size=, and otherwise read it from the dataset and assume it public.",
     "The noise and the sampling come from ChaCha20 keyed from the operating system (no test seed).",
+)
+ELS_ASSUMPTION = (
+    "Example-level sampling with a user-level guarantee: the records sampled are examples; before training, each "
+    "user's examples were bounded to at most the recorded max_examples_per_user in total (which ones chosen at "
+    "random, not from the data), and the population size recorded is the number of examples kept. The ledger "
+    "records the bound, not the bounding: the mixture-of-Gaussians accounting of a user assumes it held."
 )
 MF_ASSUMPTION = (
     "Matrix-factorization streams: the data pipeline followed each stream's declared participation "
@@ -91,6 +97,9 @@ class PrivacyReport:
     samplers: Tuple[Dict[str, Any], ...] = ()
     #: For a ledger with shuffled batches: the sampler to switch to, and the ε it would give.
     suggestion: Optional[str] = None
+    #: For a user-level ledger: the bound on a user's contribution, in words (see
+    #: :func:`contribution_bound`); None for an example-level one.
+    contribution_bound: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -109,6 +118,7 @@ class PrivacyReport:
             "mf_streams": [dict(s) for s in self.streams],
             "samplers": [dict(s) for s in self.samplers],
             "suggestion": self.suggestion,
+            "contribution_bound": self.contribution_bound,
             "noise_multiplier": [_num(z) for z in self.noise_multiplier],
             "effective_noise_multiplier": _num(self.effective_noise_multiplier),
             "assumptions": list(self.assumptions),
@@ -122,10 +132,14 @@ class PrivacyReport:
         unit = self.privacy_unit
         lo = "" if self.epsilon_lower_bound is None else f" (lower bound {_fmt(self.epsilon_lower_bound)})"
         rdp = "n/a" if self.epsilon_rdp is None else _fmt(self.epsilon_rdp)
+        guarantee = f"({_fmt(self.epsilon)}, {self.delta:g})-DP at the {unit} level"
+        if unit == USER:
+            guarantee = f"user-level (ε, δ) = ({_fmt(self.epsilon)}, {self.delta:g}): {guarantee}"
         rows = [
-            ("Guarantee", f"({_fmt(self.epsilon)}, {self.delta:g})-DP at the {unit} level"),
+            ("Guarantee", guarantee),
             ("DP setting", f"{SETTING} DP; {TRUST_MODEL}"),
             ("Unit of privacy", unit),
+            *([("Contribution bound", self.contribution_bound)] if self.contribution_bound else []),
             ("Neighbouring relation", f"`{self.neighboring}`: " + NEIGHBORING_TEXT[self.neighboring].format(unit=unit)),
             ("Data accesses", f"{self.releases} releases from {self.samples} samples, in {len(self.segments)} segment(s)"),
             ("Noise multiplier per query group", ", ".join(_fmt(z) for z in self.noise_multiplier) or "n/a"),
@@ -247,11 +261,15 @@ def _segments(log: SampleLog) -> List[Dict[str, Any]]:
             "mf_groups": mf_groups,
             # None: every query on these samples is a step of an MF stream (accounted per stream).
             "effective_noise_multiplier": None if math.isinf(z) and s.released else z,
+            # user-level ledgers: the contribution bound of these samples (None: none recorded)
+            "examples_per_user": s.examples_per_user,
+            "max_examples_per_user": s.max_examples_per_user,
         }
         prev = segs[-1] if segs else None
         same = prev is not None and all(
             prev[key] == seg[key]
-            for key in ("policy", "population_size", "sampling_probability", "sample_size", "non_private", "groups", "mf_groups")
+            for key in ("policy", "population_size", "sampling_probability", "sample_size", "non_private", "groups",
+                        "mf_groups", "examples_per_user", "max_examples_per_user")
         )
         if same:
             prev["steps"] += k
@@ -325,6 +343,7 @@ def build_report(ledger: Any, delta: float, *, neighboring: Optional[str] = None
     sha = file_sha256(path) if os.path.isfile(path) else ""
     samplers = sampler_summary(segs)
     suggestion = shuffle_suggestion(segs, delta, eps, neighboring) if neighboring != "replace_one" else None
+    bound = contribution_bound(segs) if unit == USER else None
     return PrivacyReport(
         epsilon=eps,
         delta=delta,
@@ -342,11 +361,52 @@ def build_report(ledger: Any, delta: float, *, neighboring: Optional[str] = None
         ledger_sha256=sha,
         dpcore_version=__version__,
         warnings=tuple(notes),
-        assumptions=tuple(a.format(unit=unit) for a in ASSUMPTIONS + ((MF_ASSUMPTION,) if streams else ())),
+        assumptions=tuple(a.format(unit=unit) for a in ASSUMPTIONS + ((MF_ASSUMPTION,) if streams else ())
+                          + ((ELS_ASSUMPTION,) if any(g["max_examples_per_user"] for g in released) else ())),
         streams=tuple(streams),
         samplers=tuple(samplers),
         suggestion=suggestion,
+        contribution_bound=bound,
     )
+
+
+def _values(xs: Sequence[Any]) -> str:
+    """Distinct values in order of appearance, as words ("5", "5 and 8", "5, 8 and 9")."""
+    out: List[str] = []
+    for x in xs:
+        t = f"{x:g}" if isinstance(x, float) else str(x)
+        if t not in out:
+            out.append(t)
+    return out[0] if len(out) == 1 else ", ".join(out[:-1]) + " and " + out[-1]
+
+
+def contribution_bound(segments: Sequence[Dict[str, Any]]) -> str:
+    """What a user-level ledger's samples bound, in words, from the bounds its released samples
+    recorded: user-level sampling (``examples_per_user``), example-level sampling with a
+    user-level guarantee (``max_examples_per_user``), or users as records with no bound recorded."""
+    released = [s for s in segments if s["releases"]]
+    els = [s for s in released if s["max_examples_per_user"] is not None]
+    uls = [s for s in released if s["max_examples_per_user"] is None and s["examples_per_user"] is not None]
+    plain = [s for s in released if s["max_examples_per_user"] is None and s["examples_per_user"] is None]
+    parts = []
+    if els:
+        parts.append(
+            f"each user's data bounded to at most {_values([s['max_examples_per_user'] for s in els])} examples in "
+            f"total; examples Poisson-sampled (q = {_values([s['sampling_probability'] for s in els])} from "
+            f"{_values([s['population_size'] for s in els])} examples); accounted as a mixture of Gaussians "
+            "(Ganesh 2024)"
+        )
+    if uls:
+        parts.append(
+            f"each user contributes the clipped mean of at most {_values([s['examples_per_user'] for s in uls])} "
+            f"examples per step, sampled as a user among {_values([s['population_size'] for s in uls])} users"
+        )
+    if plain:
+        parts.append(
+            f"each record is one user (among {_values([s['population_size'] for s in plain])}), its contribution "
+            "clipped as one record (no bound on its examples recorded)"
+        )
+    return "; ".join(parts) if parts else "no release recorded"
 
 
 def policy_text(policy: str) -> Any:

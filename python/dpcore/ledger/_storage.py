@@ -23,6 +23,7 @@ from ._entries import (
     FORMAT,
     POLICIES,
     ROUND_KEYS,
+    USER_KEYS,
     VERSION,
     LedgerError,
     LedgerSample,
@@ -32,6 +33,7 @@ from ._entries import (
     _dumps,
     _sample_entry,
     check_round,
+    check_user_bounds,
 )
 
 try:  # advisory lock so that two processes never append to one ledger
@@ -114,15 +116,20 @@ def _apply(c: _Contents, obj: Dict[str, Any], lineno: int, path: str) -> None:
     try:
         if kind == "sample":
             allocation = obj.get("policy") in ALLOCATION_POLICIES or (obj.get("policy") in EPOCH_POLICIES and "round" in obj)
-            _expect_keys(obj, _SAMPLE_KEYS + ROUND_KEYS if allocation else _SAMPLE_KEYS, lineno, path)
+            bounds = tuple(k for k in USER_KEYS if k in obj)  # optional: only where the sample has one
+            _expect_keys(obj, (_SAMPLE_KEYS + ROUND_KEYS if allocation else _SAMPLE_KEYS) + bounds, lineno, path)
             sid = _int("sample", obj["sample"], 0)
             if sid != len(c.samples):
                 raise ValueError(f"sample id {sid} out of sequence (expected {len(c.samples)})")
+            for k in bounds:
+                if obj[k] is None:
+                    raise ValueError(f"{k} is written only when given, got null")
             s = _sample_entry(
                 sid, obj["population_size"], obj["sampling_probability"], obj["policy"], obj["sample_size"], obj["seeded"],
-                *(obj[k] for k in ROUND_KEYS if allocation),
+                *(obj[k] for k in ROUND_KEYS if allocation), **{k: obj[k] for k in bounds},
             )
-            why = check_round(c.samples[-1] if c.samples else None, c.last_round, s)
+            prev = c.samples[-1] if c.samples else None
+            why = check_round(prev, c.last_round, s) or check_user_bounds(c.privacy_unit or DEFAULT_PRIVACY_UNIT, prev, s)
             if why is not None:
                 raise ValueError(why)
             c.samples.append(s)
@@ -269,6 +276,8 @@ def _same_but_id(a: LedgerSample, b: LedgerSample) -> bool:
         and a.step_in_round == b.step_in_round
         and a.round_steps == b.round_steps
         and a.round_selected == b.round_selected
+        and a.examples_per_user == b.examples_per_user
+        and a.max_examples_per_user == b.max_examples_per_user
     )
 
 
