@@ -168,23 +168,25 @@ def wants_target(noise_multiplier: Any, target_epsilon: Any, target_delta: Any, 
     return True
 
 
-def check_privacy_unit(privacy_unit: Any, user_ids: Any, examples_per_user: Any, max_examples_per_user: Any) -> bool:
+def check_privacy_unit(privacy_unit: Any, user_ids: Any, examples_per_user: Any, max_examples_per_user: Any, *,
+                       ids_name: str = "user_ids", ids_what: str = "one id per training example") -> bool:
     """Whether the privacy unit is the user, after checking the unit's arguments together (the
     same rule in every adapter): ``"example"`` takes none of them; ``"user"`` needs ``user_ids``
-    and exactly one of ``examples_per_user`` (user-level sampling) and
-    ``max_examples_per_user`` (example-level sampling, user-level guarantee)."""
+    (``ids_name``: the HF trainer's ``user_id_column``) and exactly one of ``examples_per_user``
+    (user-level sampling) and ``max_examples_per_user`` (example-level sampling, user-level
+    guarantee)."""
     from .sampling import check_examples_per_user
 
     if privacy_unit not in ("example", "user"):
-        raise ValueError(f"privacy_unit must be 'example' or 'user', got {privacy_unit!r}")
+        raise ValueError(f"privacy_unit must be one of ('example', 'user'), got {privacy_unit!r}")
     if privacy_unit == "example":
-        given = [k for k, v in (("user_ids", user_ids), ("examples_per_user", examples_per_user),
+        given = [k for k, v in ((ids_name, user_ids), ("examples_per_user", examples_per_user),
                                 ("max_examples_per_user", max_examples_per_user)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} need privacy_unit='user' (the default unit is one example)")
         return False
     if user_ids is None:
-        raise TypeError("privacy_unit='user' needs user_ids: one id per training example")
+        raise TypeError(f"privacy_unit='user' needs {ids_name}: {ids_what}")
     if (examples_per_user is None) == (max_examples_per_user is None):
         raise ValueError(
             "privacy_unit='user' needs exactly one of examples_per_user=k (users are sampled; each gives the mean "

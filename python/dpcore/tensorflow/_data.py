@@ -61,6 +61,25 @@ def _records(x: Any, y: Any, sample_weight: Any) -> Any:
     return x, y, sw, n
 
 
+def _rate_and_steps(n: int, sampling_probability: Any, expected_batch_size: Any, steps: Any, of: str) -> "tuple[float, int]":
+    """q (from itself, or the expected batch over the n records) and the steps of a pass (default
+    round(1/q)), checked. ``of``: what a record is, for the message (" of a user")."""
+    if (sampling_probability is None) == (expected_batch_size is None):
+        raise ValueError("give exactly one of sampling_probability and expected_batch_size"
+                         + (" (expected users per step)" if of else ""))
+    if sampling_probability is None:
+        q = _real("expected_batch_size", expected_batch_size) / n
+    else:
+        q = _real("sampling_probability", sampling_probability)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"the sampling probability{of} must be in (0, 1], got {q}")
+    if steps is None:
+        steps = max(1, round(1.0 / q))
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    return q, int(steps)
+
+
 class PoissonBatches(tf.keras.utils.PyDataset):
     """``steps`` Poisson samples per epoch of ``(x, y[, sample_weight])`` at rate q.
 
@@ -88,19 +107,8 @@ class PoissonBatches(tf.keras.utils.PyDataset):
     ) -> None:
         super().__init__(**kwargs)
         self._x, self._y, self._sw, n = _records(x, y, sample_weight)
-        if (sampling_probability is None) == (expected_batch_size is None):
-            raise ValueError("give exactly one of sampling_probability and expected_batch_size")
-        if sampling_probability is None:
-            q = _real("expected_batch_size", expected_batch_size) / n
-        else:
-            q = _real("sampling_probability", sampling_probability)
-        if not 0.0 < q <= 1.0:
-            raise ValueError(f"the sampling probability must be in (0, 1], got {q}")
-        if steps is None:
-            steps = max(1, round(1.0 / q))
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        self._n, self._q, self._steps, self._seed = n, q, int(steps), seed
+        q, steps = _rate_and_steps(n, sampling_probability, expected_batch_size, steps, "")
+        self._n, self._q, self._steps, self._seed = n, q, steps, seed
         derive_seed(seed, 0)  # validates the seed now rather than on the first batch
 
     population_size = readonly[int]("_n", "n, the number of examples sampled from.")
@@ -187,24 +195,12 @@ class UserPoissonBatches(tf.keras.utils.PyDataset):
         else:
             users = UserIndex(user_ids, num_examples=n)
         k = check_examples_per_user("examples_per_user", examples_per_user)
-        u = users.num_users
-        if (sampling_probability is None) == (expected_batch_size is None):
-            raise ValueError("give exactly one of sampling_probability and expected_batch_size (expected users per step)")
-        if sampling_probability is None:
-            q = _real("expected_batch_size", expected_batch_size) / u
-        else:
-            q = _real("sampling_probability", sampling_probability)
-        if not 0.0 < q <= 1.0:
-            raise ValueError(f"the sampling probability of a user must be in (0, 1], got {q}")
-        if steps is None:
-            steps = max(1, round(1.0 / q))
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        q, steps = _rate_and_steps(users.num_users, sampling_probability, expected_batch_size, steps, " of a user")
         derive_seed(seed, 0)  # validates the seed now rather than on the first batch
         self._users: UserIndex = users
         self._k: int = k
         self._q: float = q
-        self._steps: int = int(steps)
+        self._steps: int = steps
         self._seed: Optional[int] = seed
         self._draws: int = 0
         self._in_fit: bool = False

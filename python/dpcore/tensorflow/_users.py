@@ -28,7 +28,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ..sampling._users import UserIndex, check_examples_per_user
+from ..sampling._users import UserIndex
 
 __all__ = ["PRIVACY_UNITS", "UserConfig", "user_config", "bind_users", "user_means"]
 
@@ -66,30 +66,17 @@ class UserConfig:
         return int(np.minimum(self.users.counts, int(self.max_examples_per_user)).sum())
 
 
-def check_privacy_unit(privacy_unit: Any) -> str:
-    if privacy_unit not in PRIVACY_UNITS:
-        raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
-    return privacy_unit
-
-
 def user_config(privacy_unit: Any, user_ids: Any, examples_per_user: Any, max_examples_per_user: Any) -> Optional[UserConfig]:
     """The checked user-level arguments (None for ``privacy_unit="example"``); a clear error for
-    any inconsistent or bad one, before anything is drawn or recorded."""
-    unit = check_privacy_unit(privacy_unit)
-    if unit == "example":
-        given = [k for k, v in (("user_ids", user_ids), ("examples_per_user", examples_per_user),
-                                ("max_examples_per_user", max_examples_per_user)) if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} need privacy_unit='user' (the default privacy unit is one example)")
+    any inconsistent or bad one, before anything is drawn or recorded
+    (:func:`dpcore._adapters.check_privacy_unit`, the rule of every adapter)."""
+    from .._adapters import check_privacy_unit
+
+    if not check_privacy_unit("example" if privacy_unit is None else privacy_unit, user_ids, examples_per_user,
+                              max_examples_per_user):
         return None
-    if (examples_per_user is None) == (max_examples_per_user is None):
-        raise ValueError(
-            "privacy_unit='user' needs exactly one of examples_per_user=k (user-level sampling: users are sampled, "
-            "each contributes the mean gradient of at most k of its examples) and max_examples_per_user=K "
-            "(example-level sampling after bounding each user to K examples in total)"
-        )
-    k = None if examples_per_user is None else check_examples_per_user("examples_per_user", examples_per_user)
-    kk = None if max_examples_per_user is None else check_examples_per_user("max_examples_per_user", max_examples_per_user)
+    k = None if examples_per_user is None else int(examples_per_user)
+    kk = None if max_examples_per_user is None else int(max_examples_per_user)
     users = user_ids if isinstance(user_ids, UserIndex) else UserIndex(user_ids)
     return UserConfig(users, k, kk)
 

@@ -9,8 +9,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from .._adapters import check_noise_or_target
-from ..sampling import check_examples_per_user
+from .._adapters import check_noise_or_target, check_privacy_unit
 from .._names import MF_NOISE, noise_mechanism as noise_mechanism_name
 from .._validate import positive as _positive
 from ..ledger import PrivacyLedger
@@ -61,34 +60,16 @@ PRIVACY_UNITS = ("example", "user")
 def _check_privacy_unit(
     privacy_unit: Any, user_id_column: Any, examples_per_user: Any, max_examples_per_user: Any, sampler: str
 ) -> bool:
-    """Whether the unit is the user, after checking the unit's keywords together (the rule of
-    :func:`dpcore._adapters.check_privacy_unit`, with the trainer's ``user_id_column=`` for
+    """Whether the unit is the user, after checking the unit's keywords together
+    (:func:`dpcore._adapters.check_privacy_unit`, with the trainer's ``user_id_column=`` for
     ``user_ids=``)."""
-    if privacy_unit not in PRIVACY_UNITS:
-        raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
-    if privacy_unit == "example":
-        given = [k for k, v in (("user_id_column", user_id_column), ("examples_per_user", examples_per_user),
-                                ("max_examples_per_user", max_examples_per_user)) if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} need privacy_unit='user' (the default unit is one example)")
+    users = check_privacy_unit(
+        privacy_unit, user_id_column, examples_per_user, max_examples_per_user, ids_name="user_id_column",
+        ids_what="the name of the train_dataset column that holds each example's user id")
+    if not users:
         return False
-    if user_id_column is None:
-        raise TypeError(
-            "privacy_unit='user' needs user_id_column=: the name of the train_dataset column that holds each "
-            "example's user id"
-        )
     if not isinstance(user_id_column, str) or not user_id_column:
         raise TypeError(f"user_id_column must be a column name (a non-empty str), got {user_id_column!r}")
-    if (examples_per_user is None) == (max_examples_per_user is None):
-        raise ValueError(
-            "privacy_unit='user' needs exactly one of examples_per_user=k (users are sampled; each gives the mean "
-            "of at most k of its examples) and max_examples_per_user=K (each user bounded to K examples; examples "
-            "are sampled)"
-        )
-    if examples_per_user is not None:
-        check_examples_per_user("examples_per_user", examples_per_user)
-    else:
-        check_examples_per_user("max_examples_per_user", max_examples_per_user)
     if sampler != "poisson":
         raise ValueError(
             f"privacy_unit='user' samples users (or the examples kept per user) with Poisson sampling; "
