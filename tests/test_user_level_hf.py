@@ -8,7 +8,6 @@ passes."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -83,29 +82,17 @@ def targs(out, **kw):
 
 
 class Recorded(list):
-    """The bounds of the samples recorded, in order; ``ledger_takes_bounds``: whether the
-    ledger itself took them."""
-
-    ledger_takes_bounds = True
+    """The bounds of the samples recorded, in order."""
 
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """The contribution bound of every sample recorded (a spy on PrivacyLedger.record_sample).
-
-    While the ledger does not yet take the bounds (another change adds ``examples_per_user=`` /
-    ``max_examples_per_user=`` to ``record_sample``), the spy keeps them here and hands the
-    ledger the rest: the ULS ledger (users as records) is then accounted as it will be; an ELS
-    ledger's ε is not asserted on in that case (it would miss its bound K)."""
+    """The contribution bound of every sample recorded (a spy on PrivacyLedger.record_sample)."""
     seen = Recorded()
     real = dpcore.PrivacyLedger.record_sample
-    seen.ledger_takes_bounds = "examples_per_user" in inspect.signature(real).parameters
 
     def spy(self, *a, **kw):
         seen.append({k: kw[k] for k in BOUNDS if k in kw})
-        if not seen.ledger_takes_bounds:
-            for k in BOUNDS:
-                kw.pop(k, None)
         return real(self, *a, **kw)
 
     monkeypatch.setattr(dpcore.PrivacyLedger, "record_sample", spy)
@@ -320,11 +307,8 @@ def test_els_target_epsilon_calibrates_with_the_bound(tmp_path, recorded):
     K, eps, delta = 3, 4.0, 1e-5
     n_kept = int(np.minimum(np.unique(LONG_IDS, return_counts=True)[1], K).sum())
     q = 8 / n_kept
-    try:
-        z = calibrate_noise(eps, delta, sampler="poisson", sampling_probability=q, steps=5, accountant="pld",
-                            max_examples_per_user=K)
-    except TypeError as e:
-        pytest.skip(f"dpcore.plan.calibrate_noise does not take max_examples_per_user yet ({e})")
+    z = calibrate_noise(eps, delta, sampler="poisson", sampling_probability=q, steps=5, accountant="pld",
+                        max_examples_per_user=K)
     tr = DPTrainer(model=lora(gpt2()), args=targs(tmp_path, max_steps=5), train_dataset=rows(LONG_IDS),
                    data_collator=transformers.default_data_collator, target_epsilon=eps, target_delta=delta,
                    max_grad_norm=1.0, privacy_unit="user", user_id_column="user", max_examples_per_user=K)
@@ -332,8 +316,7 @@ def test_els_target_epsilon_calibrates_with_the_bound(tmp_path, recorded):
     example_level = calibrate_noise(eps, delta, sampler="poisson", sampling_probability=q, steps=5, accountant="pld")
     assert z > example_level  # a user is up to K rows: more noise than for one row
     tr.train()
-    if recorded.ledger_takes_bounds:
-        assert tr.get_epsilon() <= eps
+    assert tr.get_epsilon() <= eps
 
 
 def test_uls_target_epsilon_calibrates_over_the_users(tmp_path, recorded):

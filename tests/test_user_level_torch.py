@@ -540,3 +540,46 @@ def test_make_private_with_epsilon_calibrates_the_user_level_target(bound, index
     assert len(loader) * 2 == plan.steps
     eps = plan.epsilon()
     assert eps <= 3.0 and eps > 2.9
+
+
+@pytest.mark.parametrize("bound", [{"examples_per_user": 2}, {"max_examples_per_user": 2}])
+def test_a_resumed_user_level_run_releases_what_an_uninterrupted_one_would(bound):
+    """Seeded: 4 releases in one go against 2, a checkpoint, a fresh build on the same ledger and
+    2 more: the same users, the same examples of each, the same parameters."""
+
+    def build(led):
+        model = _mlp()
+        model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                          torch.utils.data.DataLoader(_data(), batch_size=3), noise_multiplier=0.5,
+                                          max_grad_norm=0.5, seed=7, ledger=led, privacy_unit="user", user_ids=IDS,
+                                          **bound)
+        return model, opt, loader
+
+    def run(model, opt, loader, releases):
+        seen = []
+        while releases:
+            for x, y in loader:
+                seen.append(loader.last_indices.copy())
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                if opt.last_step_released:
+                    releases -= 1
+                    if not releases:
+                        return seen
+        return seen
+
+    m1, o1, l1 = build(_ledger())
+    whole = run(m1, o1, l1, 4)
+    led = _ledger()
+    m2, o2, l2 = build(led)
+    first = run(m2, o2, l2, 2)
+    state, weights = o2.state_dict(), copy.deepcopy(m2.state_dict())
+    m3, o3, l3 = build(led)
+    m3.load_state_dict(weights)
+    o3.load_state_dict(state)
+    rest = run(m3, o3, l3, 2)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, first + rest)) and len(whole) == len(first + rest)
+    for a, b in zip(m1.parameters(), m3.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert led.num_releases == 4
