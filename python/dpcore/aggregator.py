@@ -175,6 +175,17 @@ class PrivateAggregator:
     ledger = readonly[PrivacyLedger]("_ledger", "The ledger every sample and release is written to.")
     global_state = readonly[Any]("_global_state", "The query's global state for the next sample.")
 
+    def load_global_state(self, global_state: Any) -> None:
+        """Continues from a saved :attr:`global_state` (a server restart: adaptive clipping's clip
+        norm, a correlated-noise stream's buffers). Refused while a sample is open, or for a state
+        of another class than the query's."""
+        if self._open is not None:
+            raise RuntimeError("a sample is open: aggregate it before restoring a global state")
+        want = type(self._query.initial_global_state())
+        if type(global_state) is not want:
+            raise TypeError(f"the query's global state is a {want.__name__}, got {type(global_state).__name__}")
+        self._global_state = global_state
+
     def metrics(self) -> dict:
         """The query's metrics of the current global state (e.g. an adaptive clip norm)."""
         return self._query.derive_metrics(self._global_state)
@@ -206,22 +217,29 @@ class PrivateAggregator:
         "_on_nonfinite", "'zero' (non-finite records contribute zero, via the query) or 'raise' (debugging only)."
     )
 
-    def aggregate(self, records: Any, *, seed: Optional[int] = None) -> Any:
+    def aggregate(self, records: Any, *, seed: Optional[int] = None, missing: int = 0) -> Any:
         """The query's noised aggregate of the sample's records; durable in the ledger on return.
 
         ``records`` has the structure the query expects, every array with a leading axis equal
-        to the size of the sample that :meth:`sample` just returned. Raises before anything is
+        to the size of the sample that :meth:`sample` just returned, less ``missing``: sampled
+        participants that never delivered a record (a federated client that dropped out). A
+        missing participant contributes nothing at all, as if it were not in the population: no
+        vector, and no term in an adaptive clip's count (where even a zero record would count
+        as unclipped); the denominator and the noise do not change. Raises before anything is
         released if no sample is open or the sizes differ.
         """
         if self._open is None:
             raise RuntimeError("call sample() before aggregate(): every release must belong to a recorded sample")
+        if isinstance(missing, bool) or not isinstance(missing, (int, np.integer)) or not 0 <= missing <= self._open:
+            raise ValueError(f"missing must be an int in [0, {self._open}] (the sample's size), got {missing!r}")
         arrays: List[np.ndarray] = []
         template = _arrays(records, arrays)
         for k, a in enumerate(arrays):
-            if a.shape[0] != self._open:
+            if a.shape[0] != self._open - missing:
                 raise ValueError(
-                    f"records array {k} has {a.shape[0]} records but the sample has {self._open}: "
-                    "pass the records at the indices sample() returned"
+                    f"records array {k} has {a.shape[0]} records but the sample has {self._open}"
+                    + (f" ({missing} missing)" if missing else "")
+                    + ": pass the records at the indices sample() returned"
                 )
         if self._on_nonfinite == "raise":
             _raise_on_nonfinite(arrays, self._open)

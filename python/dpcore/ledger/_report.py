@@ -60,6 +60,13 @@ ELS_ASSUMPTION = (
     "random, not from the data), and the population size recorded is the number of examples kept. The ledger "
     "records the bound, not the bounding: the mixture-of-Gaussians accounting of a user assumes it held."
 )
+DROPOUT_ASSUMPTION = (
+    "Dropouts (user unit): a sampled user that delivers nothing, a federated client that failed, timed out or sent "
+    "something that is not an update of the model (dpcore.flower), contributes nothing to that step's release, as a "
+    "user absent from the population would; the step is still released and recorded, with the planned denominator "
+    "and noise, so the ε holds whatever drops out. Dropouts only shrink the average towards zero (the denominator "
+    "is the expected number of users, not the number that answered)."
+)
 MF_ASSUMPTION = (
     "Matrix-factorization streams: the data pipeline followed each stream's declared participation "
     "schema (the records cut once into b batches or groups, batch t mod b used at step t, so that one "
@@ -362,7 +369,8 @@ def build_report(ledger: Any, delta: float, *, neighboring: Optional[str] = None
         dpcore_version=__version__,
         warnings=tuple(notes),
         assumptions=tuple(a.format(unit=unit) for a in ASSUMPTIONS + ((MF_ASSUMPTION,) if streams else ())
-                          + ((ELS_ASSUMPTION,) if any(g["max_examples_per_user"] for g in released) else ())),
+                          + ((ELS_ASSUMPTION,) if any(g["max_examples_per_user"] for g in released) else ())
+                          + ((DROPOUT_ASSUMPTION,) if unit == USER else ())),
         streams=tuple(streams),
         samplers=tuple(samplers),
         suggestion=suggestion,

@@ -39,6 +39,7 @@ from ..matrix_factorization._noise import CorrelatedNoise
 from ..matrix_factorization._participation import Participation, canonical_json
 from ..matrix_factorization._strategies import BandedStrategy, BLTStrategy, ToeplitzStrategy
 from .._validate import count
+from .. import _trace
 from .._seeds import derive_seed
 from .base import DPQuery, ReleasePlan, SumState, check_parts, nonnegative, positive
 from .gaussian import GaussianSumQuery
@@ -272,6 +273,12 @@ class MatrixFactorizationQuery(GaussianSumQuery):
         # leaves no part advanced.
         for k, (s, dt) in enumerate(zip(st.sums, st.dtypes)):
             gs.noise.generator(k, int(s.size), dt)
+        if _trace.active():  # the grey-box harness: this step's pre-noise sums and one record's bound C
+            _trace.release(
+                "queries.matrix_factorization", [{"sums": list(st.sums), "sensitivity": clip}],
+                denominator=self._den, noise={"part_stddevs": [gs.stddev] * len(st.sums), "mechanism": MECHANISM},
+                event=event,
+            )
         outs: List[np.ndarray] = []
         for k, (s, dt) in enumerate(zip(st.sums, st.dtypes)):
             o = gs.noise.draw(
@@ -280,6 +287,8 @@ class MatrixFactorizationQuery(GaussianSumQuery):
             )
             outs.append(o.reshape(s.shape))
         gs.noise.advance(gs.step)
+        if _trace.active():  # a neighbour run releases the first run's values
+            outs = _trace.output("queries.matrix_factorization", outs)
         result = outs[0] if st.kind is np.ndarray else st.kind(outs)
         return result, replace(gs, step=gs.step + 1, stream=stream), event
 
