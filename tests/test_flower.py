@@ -328,6 +328,21 @@ def test_target_epsilon_is_calibrated_before_the_first_round(tmp_path):
     assert 2.9 < hist[-1][2]["dpcore.epsilon"] <= 3.0
 
 
+@pytest.mark.parametrize("kw", [
+    dict(sampler="truncated_poisson", sampling_probability=0.5, max_batch_size=7),
+    dict(sampler="balls_in_bins", sampling_probability=0.25),
+    dict(sampler="random_allocation", sampling_probability=0.25, num_selected=2),
+])
+def test_the_other_registered_samplers_draw_the_clients_and_meet_the_target(tmp_path, kw):
+    dp = make(tmp_path, noise_multiplier=None, target_epsilon=4.0, target_delta=1e-5, num_rounds=8, **kw)
+    _, hist = run_rounds(dp, grid_of(targets(N)), 8)
+    sizes = [len(h[3]) for h in hist]
+    assert len(set(sizes)) > 1 and max(sizes) <= kw.get("max_batch_size", N)
+    led = PrivacyLedger.load(tmp_path / "fl.ledger")
+    assert {s.policy for s in led.samples} == {kw["sampler"]}
+    assert 3.9 < hist[-1][2]["dpcore.epsilon"] <= 4.0
+
+
 def test_refusals(tmp_path):
     with pytest.raises(TypeError, match="Flower Strategy"):
         dpf.DifferentialPrivacy(object(), population_size=3, sampling_probability=1, noise_multiplier=1,
@@ -453,6 +468,9 @@ def test_resume_refuses_another_run_or_a_ledger_that_moved(tmp_path):
     led.close()
     with pytest.raises(ValueError, match="holds 3 releases but the saved state saw 2"):
         make(tmp_path, state_path=state, noise_multiplier=1.0)
+    with pytest.warns(UserWarning, match="stay counted"):
+        b = make(tmp_path, state_path=state, noise_multiplier=1.0, ledger_ahead="keep")
+    assert b.resume_arrays is not None and b.ledger.num_releases == 3
 
 
 # -- wrapped strategies ---------------------------------------------------------------------
@@ -471,6 +489,36 @@ def test_a_server_optimizer_post_processes_the_release(tmp_path):
     # Adam's first step moves each coordinate by ~eta in the direction of the pseudo-gradient
     assert np.all(np.sign(step) == np.sign(want))
     assert np.all(np.isfinite(arrays_of(arrays)["w"]))
+
+
+def test_the_wrapped_strategys_config_reaches_the_clients_and_its_minimums_never_block(tmp_path):
+    from flwr.serverapp.strategy import FedProx
+
+    seen = []
+
+    def spy(msg, ctx):
+        seen.append(dict(msg.content["config"]))
+        return client(targets(1)[0])(msg, ctx)
+
+    # one client, below FedProx's own min_train_nodes/min_available_nodes: dpcore samples, FedProx never waits
+    dp = dpf.DifferentialPrivacy(FedProx(proximal_mu=0.3, fraction_evaluate=0.0, min_available_nodes=5),
+                                 population_size=1, sampling_probability=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
+                                 ledger=tmp_path / "x.ledger", clipping_mode="client")
+    run_rounds(dp, LocalGrid({42: spy}), 1)
+    assert seen[0]["proximal-mu"] == 0.3 and seen[0][dpf.CONFIG_CLIP] == 1.0 and seen[0]["server-round"] == 1
+
+
+def test_an_empty_poisson_sample_releases_pure_noise_and_is_recorded(tmp_path):
+    n = 5
+    dp = dpf.DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), population_size=n, sampling_probability=0.05,
+                                 noise_multiplier=1.0, max_grad_norm=1.0, ledger=tmp_path / "e.ledger", seed=2)
+    _, hist = run_rounds(dp, grid_of(targets(n), ids=list(range(1, n + 1))), 8)
+    empty = [h for h in hist if not h[3]]
+    assert empty, "the seed draws no empty round: pick another"
+    w0, out, metrics, _ = empty[0]
+    assert metrics["dpcore.sampled-clients"] == 0
+    assert not np.array_equal(arrays_of(out)["w"], w0["w"])  # noise only, still released
+    assert PrivacyLedger.load(tmp_path / "e.ledger").num_releases == 8
 
 
 def test_client_metrics_are_dropped_unless_asked_for(tmp_path):

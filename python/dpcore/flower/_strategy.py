@@ -78,11 +78,15 @@ _MF = ("banded", "blt")
 
 
 class _RosterGrid(Grid):
-    """The wrapped strategy's view of the grid in ``configure_train``: the roster's nodes, so
-    that its own sampling (whose messages are discarded) never waits for nodes."""
+    """The wrapped strategy's view of the grid in ``configure_train``: the nodes dpcore sampled,
+    padded with stand-in ids up to the strategy's own minimums, so that its sampling (whose
+    messages are discarded: only their content is used) neither waits for nodes that will never
+    come nor builds a message for every client of a large roster."""
 
-    def __init__(self, grid: Grid, nodes: Sequence[int]) -> None:
-        self._grid, self._nodes = grid, list(nodes)
+    def __init__(self, grid: Grid, nodes: Sequence[int], strategy: Any) -> None:
+        want = max([len(nodes)] + [int(getattr(strategy, a, 0) or 0)
+                                   for a in ("min_available_nodes", "min_train_nodes")])
+        self._grid, self._nodes = grid, list(nodes) + [-(k + 1) for k in range(want - len(nodes))]
 
     def set_run(self, run: Any) -> None:  # pragma: no cover - never called on the proxy
         self._grid.set_run(run)
@@ -98,7 +102,8 @@ class _RosterGrid(Grid):
         return list(self._nodes)
 
     def get_nodes(self) -> Iterable[Any]:  # pragma: no cover
-        return [n for n in self._grid.get_nodes() if getattr(n, "node_id", None) in set(self._nodes)]
+        keep = set(self._nodes)
+        return [n for n in self._grid.get_nodes() if getattr(n, "node_id", None) in keep]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # pragma: no cover
         raise RuntimeError("the wrapped strategy's messages are not sent: dpcore samples the clients")
@@ -151,10 +156,14 @@ class DifferentialPrivacy(Strategy):
       :func:`dpcore.flower.clipping_mod`, which clips before sending and refuses to run without
       the bound the server sends; the server clips again).
     * ``ledger``: a :class:`~dpcore.PrivacyLedger` of unit ``"user"`` or a path (None: a
-      temporary file, see ``.ledger.path``); ``accountant`` ``"pld"`` (default) or ``"rdp"``.
+      temporary file, see ``.ledger.path``); ``accountant`` ``"pld"`` or ``"rdp"`` (None: the
+      sampler's own, PLD but for balls-in-bins and random allocation, certified by RDP only).
+      ε in the metrics costs one accounting of the ledger per round (PLD: about 0.1 s here).
     * ``state_path``: a file the server's state (round, query state, sampler, ledger position,
       the released model) is written to after every release; when it exists at construction the
-      run resumes from it (:attr:`resume_arrays` is the model to restart ``start`` with).
+      run resumes from it (:attr:`resume_arrays` is the model to restart ``start`` with). The
+      ledger must hold exactly the releases the state saw; ``ledger_ahead="keep"`` accepts a ledger
+      ahead of it (a crash between the two writes: those releases stay counted, ε over-counts).
     * ``seed``: tests only (no privacy).
 
     **Dropped clients.** A sampled client that fails, times out, or sends something that is not
@@ -193,11 +202,12 @@ class DifferentialPrivacy(Strategy):
         num_selected: int = 1,
         clipping_mode: str = "server",
         ledger: Any = None,
-        accountant: str = "pld",
+        accountant: Optional[str] = None,
         node_ids: Optional[Sequence[int]] = None,
         wait_for_clients: float = 60.0,
         client_metrics: bool = False,
         state_path: Optional[str] = None,
+        ledger_ahead: str = "refuse",
         seed: Optional[int] = None,
     ) -> None:
         super().__init__()
@@ -249,6 +259,8 @@ class DifferentialPrivacy(Strategy):
             )
         if mf and clipping != "flat":
             raise ValueError("matrix-factorization noise supports clipping='flat' only")
+        if accountant is None:  # the tightest certified analysis of the sampler (RDP for the allocation samplers)
+            accountant = sampler_class(sampler).default_accountant
         if accountant not in ("pld", "rdp"):
             raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
         self._delta = float(target_delta) if target_delta is not None else min(1e-5, 0.1 / n)
@@ -333,6 +345,9 @@ class DifferentialPrivacy(Strategy):
         self._releases = 0
         self._pending: Optional[Tuple[int, List[int], Dict[str, np.ndarray]]] = None
         self._last_epsilon = 0.0
+        if ledger_ahead not in ("refuse", "keep"):
+            raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
+        self._ledger_ahead = ledger_ahead
         self._state_path = None if state_path is None else os.fspath(state_path)
         self._resumed: Optional[Dict[str, Any]] = None
         self.resume_arrays: Optional[ArrayRecord] = None
@@ -463,7 +478,7 @@ class DifferentialPrivacy(Strategy):
         seed = derive_seed(self._seed, self._releases, 0) if self._sampler_obj is None else None
         idx = self._aggregator.sample(seed=seed)  # type: ignore[union-attr]
         nodes = [roster[int(i)] for i in idx]
-        content = self._content(server_round, arrays, cfg, grid, roster)
+        content = self._content(server_round, arrays, cfg, grid, nodes)
         current = {k: np.asarray(a) for k, a in zip(layout.keys, arrays.to_numpy_ndarrays()) if k in layout.released}
         self._pending = (server_round, nodes, current)
         self._current_arrays = arrays
@@ -483,10 +498,11 @@ class DifferentialPrivacy(Strategy):
         return float(c)
 
     def _content(self, server_round: int, arrays: ArrayRecord, cfg: ConfigRecord, grid: Grid,
-                 roster: List[int]) -> RecordDict:
-        """The wrapped strategy's training content (it may add its own config, FedProx's μ),
-        with dpcore's keys; its own choice of nodes is discarded."""
-        msgs = list(self.strategy.configure_train(server_round, arrays, cfg, _RosterGrid(grid, roster)))
+                 nodes: List[int]) -> RecordDict:
+        """The wrapped strategy's training content (it may add its own config, FedProx's μ, and
+        keep state, FedOpt's current arrays), with dpcore's keys; its own choice of nodes is
+        discarded."""
+        msgs = list(self.strategy.configure_train(server_round, arrays, cfg, _RosterGrid(grid, nodes, self.strategy)))
         if msgs:
             content = msgs[0].content
             for c in content.config_records.values():
@@ -676,11 +692,19 @@ class DifferentialPrivacy(Strategy):
         led = st["ledger"]
         if os.path.abspath(self.ledger.path) != led["path"]:
             raise ValueError(f"the saved state is for the ledger {led['path']}, this run writes {self.ledger.path}")
-        if self.ledger.num_releases != led["num_releases"]:
+        ahead = self.ledger.num_releases > led["num_releases"]
+        if ahead and self._ledger_ahead == "keep" and self._mf is None:
+            warnings.warn(
+                f"the ledger holds {self.ledger.num_releases - led['num_releases']} release(s) after the saved state "
+                "(a crash between the ledger write and the state write): they stay counted in ε, their models are "
+                "lost, and the run resumes from the saved model", stacklevel=3,
+            )
+        elif self.ledger.num_releases != led["num_releases"]:
             raise ValueError(
                 f"the ledger holds {self.ledger.num_releases} releases but the saved state saw {led['num_releases']}: "
                 "refused (fewer: the ledger was truncated or replaced; more: releases after the last saved state, "
-                "whose models are lost)"
+                "whose models are lost: ledger_ahead='keep' resumes anyway and keeps them counted, except for "
+                "correlated noise, whose stream cannot replay them)"
             )
 
     def _restore(self, st: Dict[str, Any]) -> None:
