@@ -38,6 +38,36 @@ def test_user_level_fedavg_small():
         assert 0 < r["epsilon"] < math.inf
 
 
+def test_flower_fedavg_small():
+    # the fast path: the example's ServerApp and ClientApp on LocalGrid (the simulation engine,
+    # Ray, takes about 35 s for the same run here: `python examples/flower_fedavg.py --small`)
+    pytest.importorskip("flwr")
+    pytest.importorskip("sklearn")
+    import json
+    import subprocess
+    import sys
+
+    r = load("flower_fedavg").main(small=True, local=True)
+    assert r["rounds"] == 10 and sorted(r["epsilon"]) == list(range(1, 11))
+    # 10 classes: chance is 0.1. 50 clients, 10 rounds, ε ≈ 6.9: 0.85-0.89 here, the baseline 0.92-0.93
+    assert r["baseline_accuracy"] > 0.8 and r["final_accuracy"] >= 0.7
+    eps = list(r["epsilon"].values())
+    assert all(0 < a < b for a, b in zip(eps, eps[1:]))  # ε grows every round, in Flower's metrics
+    # the ε of the last round's metrics is the ledger's, as `dpcore report` states it, and that of
+    # the Poisson-subsampled Gaussian over the clients (each client one record)
+    import dpcore
+
+    assert r["final_epsilon"] == pytest.approx(r["report"].epsilon, rel=1e-12)
+    out = subprocess.run([sys.executable, "-m", "dpcore", "report", r["ledger"], "--delta", str(r["delta"]),
+                          "--format", "json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads(out.stdout)
+    assert rep["privacy_unit"] == "user" and rep["releases"] == 10
+    assert rep["epsilon"] == pytest.approx(r["final_epsilon"], rel=1e-9)
+    assert r["final_epsilon"] == pytest.approx(
+        dpcore.accounting.epsilon(r["q"], r["noise_multiplier"], r["rounds"], r["delta"]), rel=1e-9)
+
+
 def test_tf_digits_small():
     # a fresh process: TensorFlow and the CUDA build of torch cannot share one
     import subprocess

@@ -451,6 +451,42 @@ def test_a_restarted_server_continues_bit_identically(tmp_path, kind):
     assert math.isclose(b.epsilon(), one.epsilon(), rel_tol=1e-12)
 
 
+def test_a_restarted_engine_with_new_node_ids(tmp_path):
+    """Flower's simulation engine gives its nodes new ids at every start: independent rounds fix
+    the roster again (warned); a cyclic schedule needs node_ids= in the saved order."""
+    tg = targets(N)
+    new_ids = [5000 + i for i in range(N)]
+    for kw in (dict(noise_multiplier=0.5, sampling_probability=0.5),
+               dict(noise_multiplier=0.5, sampler="cyclic", sample_size=2, sampling_probability=None)):
+        d = tmp_path / kw.get("sampler", "poisson")
+        a = make(d, state_path=d / "s.state", **kw)
+        run_rounds(a, grid_of(tg), 2)
+        a.close()
+        b = make(d, state_path=d / "s.state", **kw)
+        assert b.releases == 2  # restored at construction
+        if "sampler" not in kw:
+            with pytest.warns(UserWarning, match="fixed again over the connected clients"):
+                _, hist = run_rounds(b, grid_of(tg, ids=new_ids), 2, init=b.resume_arrays)
+            assert all(m.metadata.dst_node_id in new_ids for h in hist for m in h[3])
+            assert sum(len(h[3]) for h in hist) > 0
+        else:
+            with pytest.raises(RuntimeError, match="give node_ids= with the new id of each saved client"):
+                run_rounds(b, grid_of(tg, ids=new_ids), 1, init=b.resume_arrays)
+            b.close()
+            c = make(d, state_path=d / "s.state", node_ids=new_ids, **kw)
+            _, hist = run_rounds(c, grid_of(tg, ids=new_ids), 1, init=c.resume_arrays)
+            assert len(hist[0][3]) == 2
+
+
+def test_missing_clients_are_logged_on_the_server(tmp_path, caplog):
+    import logging
+
+    modes = [NORMAL] * (N - 2) + [ERROR, SILENT]
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run_rounds(make(tmp_path), grid_of(targets(N), modes), 1)
+    assert "2 of 10 sampled clients delivered no update" in caplog.text
+
+
 def test_resume_refuses_another_run_or_a_ledger_that_moved(tmp_path):
     tg = targets(N)
     state = tmp_path / "server.state"

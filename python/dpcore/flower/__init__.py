@@ -17,7 +17,18 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError("dpcore.flower needs Flower 1.42 or later: pip install 'dpcore[flower]'") from e
 
 from ._mod import clip_update, clipping_mod
-from ._strategy import CLIPPING_MODES, CONFIG_CLIP, CONFIG_CLIPPING, SAMPLERS, DifferentialPrivacy
+from ._strategy import (
+    CLIPPING_MODES,
+    CONFIG_CLIP,
+    CONFIG_CLIPPING,
+    METRIC_CLIP,
+    METRIC_DELTA,
+    METRIC_EPSILON,
+    METRIC_RELEASES,
+    METRIC_SAMPLED,
+    SAMPLERS,
+    DifferentialPrivacy,
+)
 
 __all__ = ["DifferentialPrivacy", "clipping_mod", "clip_update", "CLIPPING_MODES", "SAMPLERS", "CONFIG_CLIP",
-           "CONFIG_CLIPPING"]
+           "CONFIG_CLIPPING", "METRIC_EPSILON", "METRIC_DELTA", "METRIC_RELEASES", "METRIC_CLIP", "METRIC_SAMPLED"]

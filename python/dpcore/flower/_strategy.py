@@ -32,7 +32,7 @@ import os
 import tempfile
 import time
 import warnings
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -53,7 +53,10 @@ from ..sampling import sampler_class
 from ._records import ModelLayout, client_arrays
 from ._state import decode_global_state, read_state, write_state
 
-__all__ = ["DifferentialPrivacy", "CLIPPING_MODES", "SAMPLERS", "CONFIG_CLIP", "CONFIG_CLIPPING"]
+__all__ = [
+    "DifferentialPrivacy", "CLIPPING_MODES", "SAMPLERS", "CONFIG_CLIP", "CONFIG_CLIPPING", "METRIC_EPSILON",
+    "METRIC_DELTA", "METRIC_RELEASES", "METRIC_CLIP", "METRIC_SAMPLED",
+]
 
 #: Where the clipping happens: ``"server"`` (clients send raw updates, the server clips) or
 #: ``"client"`` (:func:`dpcore.flower.clipping_mod` clips before sending; the server clips again,
@@ -334,6 +337,7 @@ class DifferentialPrivacy(Strategy):
         self._q, self._b = sampling_probability if samp_obj is None else None, sample_size if samp_obj is None else None
         self._wait = float(wait_for_clients)
         self._roster: Optional[List[int]] = None
+        self._roster_saved = False  # a roster read from a saved state, not yet seen connected
         if node_ids is not None:
             ids = [int(i) for i in node_ids]
             if len(ids) != n or len(set(ids)) != n:
@@ -357,7 +361,10 @@ class DifferentialPrivacy(Strategy):
             self.resume_arrays = ArrayRecord(
                 {k: Array(np.asarray(v)) for k, v in self._resumed["arrays"].items()}
             )
-            self._roster = list(self._resumed["roster"])
+            if node_ids is None:
+                self._roster = list(self._resumed["roster"])
+                self._roster_saved = True
+            self._releases = int(self._resumed["releases"])
 
     # -- construction helpers ------------------------------------------------------------
 
@@ -431,6 +438,10 @@ class DifferentialPrivacy(Strategy):
     # -- the roster ----------------------------------------------------------------------
 
     def _fix_roster(self, grid: Grid) -> List[int]:
+        if self._roster is not None and self._roster_saved:
+            self._roster_saved = False
+            if not set(self._roster) & set(int(i) for i in grid.get_node_ids()):
+                self._refix_after_restart()
         if self._roster is not None:
             return self._roster
         n = self.population_size
@@ -453,6 +464,25 @@ class DifferentialPrivacy(Strategy):
             )
         self._roster = ids[:n]
         return self._roster
+
+    def _refix_after_restart(self) -> None:
+        """None of the saved roster's node ids is connected: the engine was restarted and gave
+        its nodes new ids (Flower's simulation engine draws them afresh). Rounds of independent
+        samples (Poisson, truncated Poisson, fixed size) may draw from a roster fixed again over
+        the connected nodes; a schedule over rounds (the cyclic groups of correlated noise, the
+        allocation samplers' rounds) ties each client to its place and cannot be re-mapped."""
+        if self.sampler_name not in ("poisson", "truncated_poisson", "fixed_size_without_replacement"):
+            raise RuntimeError(
+                f"none of the saved roster's {len(self._roster or [])} node ids is connected (a restarted engine gives "
+                f"its nodes new ids), and sampler={self.sampler_name!r} ties each client to its place in the roster: "
+                "give node_ids= with the new id of each saved client, in the saved order"
+            )
+        warnings.warn(
+            "none of the saved roster's node ids is connected (a restarted engine gives its nodes new ids): the roster "
+            "is fixed again over the connected clients; each round samples independently, so the accounting holds",
+            stacklevel=4,
+        )
+        self._roster = None
 
     # -- Strategy ------------------------------------------------------------------------
 
@@ -546,6 +576,10 @@ class DifferentialPrivacy(Strategy):
                 for i, g in enumerate(present):
                     np.subtract(g[k], current[k], out=buf[i], dtype=np.float64)
             stacked[k] = buf
+        if len(present) < len(nodes):
+            # logged on the (trusted) server only; nothing of it enters the release or the metrics
+            log(WARNING, "dpcore: round %s: %d of %d sampled clients delivered no update (dropped, failed or "
+                "malformed); they contribute zero", server_round, len(nodes) - len(present), len(nodes))
         records: Any = stacked if self.clipping == "per_layer" else [stacked[k] for k in keys]
         seed = derive_seed(self._seed, self._releases, 1)
         noised = self._aggregator.aggregate(records, seed=seed, missing=len(nodes) - len(present))
@@ -645,6 +679,10 @@ class DifferentialPrivacy(Strategy):
             warnings.simplefilter("ignore")
             return float(self.ledger.get_epsilon(self._delta if delta is None else delta, self.accountant,
                                                  neighboring=self.neighboring))
+
+    def close(self) -> None:
+        """Closes the ledger (a server restarted in the same process opens it again)."""
+        self.ledger.close()
 
     def report(self, delta: Optional[float] = None) -> Any:
         """The ledger's privacy report (:meth:`dpcore.PrivacyLedger.report`)."""
