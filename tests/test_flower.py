@@ -178,6 +178,34 @@ def test_aggregator_missing_participants_contribute_nothing(tmp_path):
     np.testing.assert_allclose(out, [3 * 0.5 / 4] * 2)
 
 
+@pytest.mark.parametrize("a", [
+    np.arange(12, dtype=np.float32).reshape(3, 4), np.asfortranarray(np.ones((3, 4))), np.array(5, np.int64),
+    np.zeros((0, 3)), np.arange(3, dtype=">f8"), np.ones(70_000, np.float16),
+])
+def test_array_view_reads_what_flower_wrote_without_a_copy(a):
+    from dpcore.flower._records import array_view
+
+    arr = Array(a)
+    v = array_view(arr)
+    assert v.shape == a.shape and v.dtype == a.dtype and np.array_equal(v, a)
+    if not a.flags.f_contiguous or a.ndim < 2:
+        assert not v.flags.owndata  # a view of the message's bytes
+
+
+def test_a_truncated_array_is_a_missing_client(tmp_path):
+    from dpcore.flower._records import ModelLayout, client_arrays
+
+    model = initial()
+    lay = ModelLayout.of(arrays_of(model))
+    w = Array(np.zeros(5, np.float32))
+    bad = Array(dtype=w.dtype, shape=w.shape, stype=w.stype, data=w.data[:-4])
+    good = {k: model[k] for k in model.keys()}
+    reply = Message(RecordDict({"arrays": ArrayRecord({**good, "w": bad})}), dst_node_id=1, message_type=MessageType.TRAIN)
+    assert client_arrays(reply, lay) is None
+    ok = Message(RecordDict({"arrays": ArrayRecord(good)}), dst_node_id=1, message_type=MessageType.TRAIN)
+    assert set(client_arrays(ok, lay)) == {"w", "b"}
+
+
 def test_clip_update_zeroes_a_nonfinite_update():
     old = [np.zeros(3, np.float32), np.array([1], np.int64)]
     new = [np.array([np.nan, 1, 1], np.float32), np.array([9], np.int64)]

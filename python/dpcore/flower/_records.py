@@ -13,11 +13,61 @@ is handed to the query as it is, and the query gives it zero contribution
 
 from __future__ import annotations
 
+import io
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ModelLayout", "client_arrays"]
+__all__ = ["ModelLayout", "client_arrays", "array_view", "record_arrays"]
+
+#: Parsed ``.npy`` headers by their bytes: a model's arrays repeat the same few headers every round.
+_HEADERS: Dict[bytes, Optional[Tuple[np.dtype, Tuple[int, ...], int]]] = {}
+
+
+def _header(data: Any) -> Optional[Tuple[np.dtype, Tuple[int, ...], int]]:
+    """(dtype, shape, data offset) of ``.npy`` bytes, or None when they are not a plain array."""
+    if bytes(data[:6]) != b"\x93NUMPY" or len(data) < 12:
+        return None
+    major = data[6]
+    size = int.from_bytes(bytes(data[8:10]), "little") + 10 if major == 1 else int.from_bytes(bytes(data[8:12]), "little") + 12
+    key = bytes(data[:size])
+    if key in _HEADERS:
+        return _HEADERS[key]
+    out = None
+    try:
+        head = io.BytesIO(key)
+        version = np.lib.format.read_magic(head)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(head)
+        if not fortran and not dtype.hasobject:
+            out = (dtype, tuple(shape), size)
+    except Exception:  # noqa: BLE001 - not a header numpy reads: Flower's own decoding decides
+        out = None
+    if len(_HEADERS) < 4096:
+        _HEADERS[key] = out
+    return out
+
+
+def array_view(a: Any) -> np.ndarray:
+    """A read-only view of a Flower ``Array``'s bytes, without the copy of ``Array.numpy()``
+    (``np.load`` of the ``.npy`` bytes): the header is parsed (once per distinct header) and the
+    data viewed in place. An array that is not a plain numpy serialisation (another ``stype``,
+    Fortran order, object dtype, a length that does not match its header) goes through
+    ``Array.numpy()``."""
+    data = getattr(a, "data", None)
+    if getattr(a, "stype", None) == "numpy.ndarray" and isinstance(data, (bytes, bytearray, memoryview)):
+        h = _header(data)
+        if h is not None:
+            dtype, shape, offset = h
+            count = int(np.prod(shape, dtype=np.int64))
+            if len(data) - offset == count * dtype.itemsize:
+                return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return np.asarray(a.numpy())
+
+
+def record_arrays(rec: Any) -> Dict[str, np.ndarray]:
+    """An ``ArrayRecord``'s arrays by key, in its order, as views (:func:`array_view`)."""
+    return {k: array_view(rec[k]) for k in rec.keys()}
 
 
 class ModelLayout:
@@ -34,9 +84,15 @@ class ModelLayout:
             raise ValueError("the global model has no floating-point array: there is nothing to train privately")
 
     @classmethod
-    def of(cls, array_record: Any) -> "ModelLayout":
-        keys = list(array_record.keys())
-        return cls(keys, [np.asarray(a) for a in array_record.to_numpy_ndarrays()])
+    def of(cls, arrays: Dict[str, np.ndarray]) -> "ModelLayout":
+        return cls(list(arrays), list(arrays.values()))
+
+    @property
+    def record_dtype(self) -> np.dtype:
+        """The dtype the updates are stacked in: float32 when every released array is float32
+        (the query sums in float64 whatever the records' dtype), else float64."""
+        dts = {np.dtype(d) for k, d in zip(self.keys, self.dtypes) if k in self.released}
+        return np.dtype(np.float32) if dts == {np.dtype(np.float32)} else np.dtype(np.float64)
 
     def signature(self) -> List[List[Any]]:
         """Plain values that identify the layout (checked when a server's state is resumed)."""
@@ -59,7 +115,7 @@ def client_arrays(reply: Any, layout: ModelLayout) -> Optional[Dict[str, np.ndar
         for k, shape in zip(layout.keys, layout.shapes):
             if k not in layout.released:
                 continue
-            a = np.asarray(rec[k].numpy())
+            a = array_view(rec[k])
             if a.shape != shape or a.dtype.kind not in "fiu":
                 return None
             out[k] = a

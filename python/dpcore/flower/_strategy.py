@@ -50,7 +50,7 @@ from ..ledger import PrivacyLedger
 from ..queries import QuantileAdaptiveClipQuery
 from ..queries._build import clipping_query
 from ..sampling import sampler_class
-from ._records import ModelLayout, client_arrays
+from ._records import ModelLayout, client_arrays, record_arrays
 from ._state import decode_global_state, read_state, write_state
 
 __all__ = [
@@ -490,7 +490,8 @@ class DifferentialPrivacy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Samples the round's clients (recorded in the ledger) and sends each the model."""
-        layout = ModelLayout.of(arrays)
+        model = record_arrays(arrays)  # views: the global model is decoded once a round
+        layout = ModelLayout.of(model)
         if self._aggregator is None:
             self._setup(layout)
         elif layout.keys != self._layout.keys or layout.shapes != self._layout.shapes:  # type: ignore[union-attr]
@@ -509,9 +510,7 @@ class DifferentialPrivacy(Strategy):
         idx = self._aggregator.sample(seed=seed)  # type: ignore[union-attr]
         nodes = [roster[int(i)] for i in idx]
         content = self._content(server_round, arrays, cfg, grid, nodes)
-        current = {k: np.asarray(a) for k, a in zip(layout.keys, arrays.to_numpy_ndarrays()) if k in layout.released}
-        self._pending = (server_round, nodes, current)
-        self._current_arrays = arrays
+        self._pending = (server_round, nodes, model)
         log(INFO, "dpcore: round %s sampled %d of %d clients", server_round, len(nodes), len(roster))
         connected = set(int(i) for i in grid.get_node_ids())
         return [Message(content=content, dst_node_id=nid, message_type=MessageType.TRAIN)
@@ -569,12 +568,15 @@ class DifferentialPrivacy(Strategy):
         # it were not in the population, and the denominator and noise stay as planned.
         got_all = [client_arrays(by_node.get(nid), layout) for nid in nodes]
         present = [g for g in got_all if g is not None]
+        # Δ_u = w_u − w, written once into the record buffers, in float32 for a float32 model
+        # (Flower's own dtype; the query sums in float64)
+        dt = layout.record_dtype
         stacked = {}
         for k in keys:
-            buf = np.empty((len(present),) + layout.shapes[layout.keys.index(k)], np.float64)
+            buf = np.empty((len(present),) + layout.shapes[layout.keys.index(k)], dt)
             with np.errstate(all="ignore"):
                 for i, g in enumerate(present):
-                    np.subtract(g[k], current[k], out=buf[i], dtype=np.float64)
+                    np.subtract(g[k], current[k], out=buf[i], dtype=dt, casting="unsafe")
             stacked[k] = buf
         if len(present) < len(nodes):
             # logged on the (trusted) server only; nothing of it enters the release or the metrics
@@ -587,9 +589,9 @@ class DifferentialPrivacy(Strategy):
         self._pending = None
         mean = noised if isinstance(noised, dict) else dict(zip(keys, noised if isinstance(noised, (list, tuple)) else [noised]))
         new = {}
-        for k, a in zip(layout.keys, self._current_arrays.to_numpy_ndarrays()):
-            a = np.asarray(a)
-            new[k] = (current[k] + np.asarray(mean[k], np.float64)).astype(a.dtype) if k in mean else a
+        for k in layout.keys:
+            a = current[k]
+            new[k] = (a.astype(np.float64) + np.asarray(mean[k], np.float64)).astype(a.dtype) if k in mean else a
         released = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
         out_arrays, inner_metrics = self._inner_aggregate(server_round, released, replies)
         eps = self.epsilon()
