@@ -388,6 +388,16 @@ def test_refusals(tmp_path):
     led = PrivacyLedger(tmp_path / "ex.ledger", privacy_unit="example")
     with pytest.raises(ValueError, match="unit 'user'"):
         make(tmp_path, ledger=led)
+    # bad input is refused before a ledger file exists
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        make(tmp_path, ledger=tmp_path / "never.ledger", max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="node_ids"):
+        make(tmp_path, ledger=tmp_path / "never.ledger", node_ids=[1, 2])
+    assert not (tmp_path / "never.ledger").exists()
+    # a refusal after the ledger was opened closes it again: the same path opens at once
+    with pytest.raises(ValueError, match="sample_size"):
+        make(tmp_path, ledger=tmp_path / "again.ledger", sampler="cyclic")
+    make(tmp_path, ledger=tmp_path / "again.ledger").close()
 
 
 def test_discrete_gaussian_noise_is_recorded_as_such(tmp_path):

@@ -25,7 +25,6 @@ participation with min-separation b enforced by :class:`~dpcore.sampling.CyclicS
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -44,7 +43,7 @@ from flwr.supercore import log
 
 from .. import _adapters
 from .._seeds import derive_seed
-from .._validate import count, probability
+from .._validate import count, positive, probability
 from ..aggregator import PrivateAggregator
 from ..ledger import PrivacyLedger
 from ..queries import QuantileAdaptiveClipQuery
@@ -233,6 +232,12 @@ class DifferentialPrivacy(Strategy):
                             "adaptive_clipping)")
         if clipping not in ("flat", "per_layer"):
             raise ValueError(f"clipping must be 'flat' or 'per_layer' for a federated run, got {clipping!r}")
+        if isinstance(max_grad_norm, (list, tuple)):
+            if clipping != "per_layer":
+                raise ValueError("a list of max_grad_norm values needs clipping='per_layer'")
+            max_grad_norm = tuple(positive(f"max_grad_norm[{k}]", c) for k, c in enumerate(max_grad_norm))
+        else:
+            max_grad_norm = positive("max_grad_norm", max_grad_norm)
         _adapters.check_noise_or_target(noise_multiplier, target_epsilon, target_delta, "DifferentialPrivacy")
         if target_epsilon is not None and num_rounds is None:
             raise TypeError("target_epsilon needs num_rounds (the noise is calibrated for that many rounds)")
@@ -268,9 +273,15 @@ class DifferentialPrivacy(Strategy):
             raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
         self._delta = float(target_delta) if target_delta is not None else min(1e-5, 0.1 / n)
         probability("target_delta", self._delta)
+        if ledger_ahead not in ("refuse", "keep"):
+            raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
+        if node_ids is not None:
+            ids = [int(i) for i in node_ids]
+            if len(ids) != n or len(set(ids)) != n:
+                raise ValueError(f"node_ids must be {n} distinct node ids (population_size), got {len(set(ids))}")
 
-        # -- the ledger (unit: one client, all its data) --
-        self._own_ledger = not isinstance(ledger, PrivacyLedger)
+        # -- the ledger (unit: one client, all its data); closed again if the rest is refused --
+        opened = not isinstance(ledger, PrivacyLedger)
         if ledger is None:
             fd, path = tempfile.mkstemp(prefix="dpcore-flower-", suffix=".ledger")
             os.close(fd)
@@ -284,9 +295,72 @@ class DifferentialPrivacy(Strategy):
                 "(unit 'user'): open it with PrivacyLedger(path, privacy_unit='user')"
             )
         self.ledger = ledger
+        try:
+            self._plan(
+                sampler, n, sampling_probability, sample_size, max_batch_size, num_selected, seed, ledger, mf,
+                noise_mechanism, num_rounds, mf_strategy, noise_multiplier, target_epsilon, target_delta, accountant,
+            )
+        except BaseException:
+            if opened:
+                ledger.close()
+            raise
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        self.target_delta = self._delta
+        self.num_rounds = num_rounds
+        self.population_size = n
+        self.sampler_name = sampler
+        self.clipping = clipping
+        self.clipping_mode = clipping_mode
+        self.noise_mechanism = noise_mechanism
+        self.accountant = accountant
+        self.client_metrics = bool(client_metrics)
+        self._max_grad_norm = max_grad_norm
+        self._adaptive = None
+        if adaptive_clipping:
+            # Andrew et al.'s expected/20, but never at or below z/2 (their Theorem 1 needs 2σ_b > z):
+            # small populations get σ_b = z, which costs the sum 15% more noise (z_Δ = z/√(3/4))
+            sb = (max(self.denominator / 20.0, self.noise_multiplier) if clipped_count_stddev is None
+                  else float(clipped_count_stddev))
+            self._adaptive = dict(gamma=float(target_unclipped_quantile), eta=float(clip_learning_rate), sigma_b=sb)
+        self._seed = seed
+        own = self._sampler_obj is None  # the aggregator draws by name
+        self._q, self._b = (sampling_probability, sample_size) if own else (None, None)
+        self._wait = float(wait_for_clients)
+        self._roster: Optional[List[int]] = None
+        self._roster_saved = False  # a roster read from a saved state, not yet seen connected
+        if node_ids is not None:
+            self._roster = sorted(int(i) for i in node_ids)
+        # built at the first round, when the model's layout is known
+        self._layout: Optional[ModelLayout] = None
+        self._aggregator: Optional[PrivateAggregator] = None
+        self._releases = 0
+        self._pending: Optional[Tuple[int, List[int], Dict[str, np.ndarray]]] = None
+        self._last_epsilon = 0.0
+        self._ledger_ahead = ledger_ahead
+        self._state_path = None if state_path is None else os.fspath(state_path)
+        self._resumed: Optional[Dict[str, Any]] = None
+        self.resume_arrays: Optional[ArrayRecord] = None
+        if self._state_path is not None and os.path.exists(self._state_path):
+            try:
+                self._resumed = read_state(self._state_path)
+                self._check_resume(self._resumed)
+            except BaseException:
+                if opened:
+                    ledger.close()
+                raise
+            self.resume_arrays = ArrayRecord(
+                {k: Array(np.asarray(v)) for k, v in self._resumed["arrays"].items()}
+            )
+            if node_ids is None:
+                self._roster = list(self._resumed["roster"])
+                self._roster_saved = True
+            self._releases = int(self._resumed["releases"])
 
-        # -- the sampler, its denominator, the noise --
-        samp_obj, denominator, q, steps_cal, cal_options = self._sampler(
+    def _plan(self, sampler: str, n: int, sampling_probability: Any, sample_size: Any, max_batch_size: Any,
+              num_selected: Any, seed: Any, ledger: PrivacyLedger, mf: bool, noise_mechanism: str, num_rounds: Any,
+              mf_strategy: Any, noise_multiplier: Any, target_epsilon: Any, target_delta: Any, accountant: str) -> None:
+        """The sampler, its denominator, the correlated-noise plan and z (calibrated to the target)."""
+        samp_obj, denominator, q, cal_options = self._sampler(
             sampler, n, sampling_probability, sample_size, max_batch_size, num_selected, seed, ledger,
         )
         if mf:
@@ -313,73 +387,23 @@ class DifferentialPrivacy(Strategy):
         if not (math.isfinite(z) and z >= 0):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
         self.noise_multiplier = z
-        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
-        self.target_delta = self._delta
-        self.num_rounds = num_rounds
-        self.population_size = n
-        self.sampler_name = sampler
         self.denominator = float(denominator)
-        self.clipping = clipping
-        self.clipping_mode = clipping_mode
-        self.noise_mechanism = noise_mechanism
-        self.accountant = accountant
-        self.client_metrics = bool(client_metrics)
-        self._max_grad_norm = max_grad_norm
-        self._adaptive = None
-        if adaptive_clipping:
-            # Andrew et al.'s expected/20, but never at or below z/2 (their Theorem 1 needs 2σ_b > z):
-            # small populations get σ_b = z, which costs the sum 15% more noise (z_Δ = z/√(3/4))
-            sb = max(denominator / 20.0, z) if clipped_count_stddev is None else float(clipped_count_stddev)
-            self._adaptive = dict(gamma=float(target_unclipped_quantile), eta=float(clip_learning_rate), sigma_b=sb)
-        self._seed = seed
         self._sampler_obj = samp_obj
-        self._sampler_arg = sampler if samp_obj is None else samp_obj
-        self._q, self._b = sampling_probability if samp_obj is None else None, sample_size if samp_obj is None else None
-        self._wait = float(wait_for_clients)
-        self._roster: Optional[List[int]] = None
-        self._roster_saved = False  # a roster read from a saved state, not yet seen connected
-        if node_ids is not None:
-            ids = [int(i) for i in node_ids]
-            if len(ids) != n or len(set(ids)) != n:
-                raise ValueError(f"node_ids must be {n} distinct node ids (population_size), got {len(set(ids))}")
-            self._roster = sorted(ids)
-        # built at the first round, when the model's layout is known
-        self._layout: Optional[ModelLayout] = None
-        self._aggregator: Optional[PrivateAggregator] = None
-        self._releases = 0
-        self._pending: Optional[Tuple[int, List[int], Dict[str, np.ndarray]]] = None
-        self._last_epsilon = 0.0
-        if ledger_ahead not in ("refuse", "keep"):
-            raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
-        self._ledger_ahead = ledger_ahead
-        self._state_path = None if state_path is None else os.fspath(state_path)
-        self._resumed: Optional[Dict[str, Any]] = None
-        self.resume_arrays: Optional[ArrayRecord] = None
-        if self._state_path is not None and os.path.exists(self._state_path):
-            self._resumed = read_state(self._state_path)
-            self._check_resume(self._resumed)
-            self.resume_arrays = ArrayRecord(
-                {k: Array(np.asarray(v)) for k, v in self._resumed["arrays"].items()}
-            )
-            if node_ids is None:
-                self._roster = list(self._resumed["roster"])
-                self._roster_saved = True
-            self._releases = int(self._resumed["releases"])
 
     # -- construction helpers ------------------------------------------------------------
 
     @staticmethod
     def _sampler(
         kind: str, n: int, q: Any, b: Any, max_batch_size: Any, num_selected: Any, seed: Any, ledger: PrivacyLedger,
-    ) -> Tuple[Any, float, float, Any, Dict[str, Any]]:
-        """(sampler object or None for the aggregator's own draws, denominator, q, -, calibration options)."""
+    ) -> Tuple[Any, float, float, Dict[str, Any]]:
+        """(sampler object or None for the aggregator's own draws, denominator, q, calibration options)."""
         if kind == "poisson":
             if q is None or sample_size_given(b):
                 raise ValueError("sampler='poisson' takes sampling_probability (q, each client's rate), not sample_size")
             q = probability("sampling_probability", q)
             if not q > 0:
                 raise ValueError("sampling_probability must be > 0")
-            return None, q * n, q, None, {}
+            return None, q * n, q, {}
         if kind in ("fixed_size_without_replacement", "cyclic"):
             if b is None or q is not None:
                 raise ValueError(f"sampler={kind!r} takes sample_size (clients per round), not sampling_probability")
@@ -387,11 +411,11 @@ class DifferentialPrivacy(Strategy):
             if b > n:
                 raise ValueError(f"sample_size {b} is larger than population_size {n}")
             if kind == "fixed_size_without_replacement":
-                return None, float(b), b / n, None, {}
+                return None, float(b), b / n, {}
             from ..sampling import CyclicSampler
 
             s = CyclicSampler(n, b, seed=seed, ledger=ledger)
-            return s, float(b), b / n, None, {"steps_per_epoch": s.steps_per_epoch}
+            return s, float(b), b / n, {"steps_per_epoch": s.steps_per_epoch}
         if q is None or b is not None:
             raise ValueError(f"sampler={kind!r} takes sampling_probability (the expected clients are q·N)")
         q = probability("sampling_probability", q)
@@ -399,7 +423,7 @@ class DifferentialPrivacy(Strategy):
                             ledger=ledger)
         opts = {k: v for k, v in (("max_batch_size", max_batch_size), ("num_selected", num_selected))
                 if k in sampler_class(kind).options}
-        return s, float(s.expected_batch_size), float(s.sampling_probability), None, opts
+        return s, float(s.expected_batch_size), float(s.sampling_probability), opts
 
     def _build_query(self, layout: ModelLayout) -> Any:
         z, den, c = self.noise_multiplier, self.denominator, self._max_grad_norm
