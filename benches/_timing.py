@@ -7,6 +7,8 @@ the call returns, as a bare ``fn()`` statement would.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 
@@ -78,3 +80,13 @@ def merge_rounds(runs):
     r["peak_mib"] = max(x["peak_mib"] for x in runs)
     r["notes"] = sorted({n for x in runs for n in x.get("notes", [])})
     return r
+
+
+def finish(out, t0, json_path):
+    """The end of a bench's main: the total time and load average printed, ``out`` (with its
+    seconds) written to ``json_path`` when one was given."""
+    out["seconds"] = time.perf_counter() - t0
+    print(f"\ntotal {out['seconds']:.0f} s, load average {os.getloadavg()[0]:.2f} (other processes skew the timings)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)

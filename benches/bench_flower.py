@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import logging
 import math
 import os
@@ -98,6 +97,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
+from _timing import finish
 
 DELTA = 1e-5
 EPSILONS = (1.0, 4.0, 8.0)
@@ -696,11 +696,7 @@ def main() -> None:
         out["time"] = st
         print()
         print(time_tables(st, args))
-    out["seconds"] = time.perf_counter() - t0
-    print(f"\ntotal {out['seconds']:.0f} s, load average {os.getloadavg()[0]:.2f} (other processes skew the timings)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    finish(out, t0, args.json)
 
 
 if __name__ == "__main__":

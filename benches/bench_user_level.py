@@ -80,7 +80,6 @@ about 30 seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -93,6 +92,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
+from _timing import finish
 import torch
 from torch import nn
 
@@ -645,11 +645,7 @@ def main() -> None:
         out["step_time"] = st
         print()
         print(step_table(st, args))
-    out["seconds"] = time.perf_counter() - t0
-    print(f"\ntotal {out['seconds']:.0f} s, load average {os.getloadavg()[0]:.2f} (other processes skew the timings)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    finish(out, t0, args.json)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,17 @@ def test_client_side_per_layer(tmp_path):
         close(out, brute_force(w0, tg, range(N), 1.0, N, "per_layer"))
 
 
+def test_local_grid_push_and_pull_match_send_and_receive():
+    grid = grid_of(targets(3), ids=[1, 2, 3], drop={2})
+    msgs = [Message(content=RecordDict({"arrays": initial(), "config": config()}), dst_node_id=n,
+                    message_type=MessageType.TRAIN) for n in (1, 2, 3, 9)]
+    ids = list(grid.push_messages(msgs))
+    assert len(ids) == 4 and len(set(ids)) == 4
+    got = grid.pull_messages(ids)
+    assert sorted(r.metadata.src_node_id for r in got) == [1, 3]  # node 2 dropped, node 9 unknown
+    assert grid.pull_messages(ids) == []  # each reply handed out once
+
+
 def test_clipping_mod_refuses_without_the_servers_bound():
     called = []
 

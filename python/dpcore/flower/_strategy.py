@@ -335,7 +335,6 @@ class DifferentialPrivacy(Strategy):
         self._aggregator: Optional[PrivateAggregator] = None
         self._releases = 0
         self._pending: Optional[Tuple[int, List[int], Dict[str, np.ndarray]]] = None
-        self._last_epsilon = 0.0
         self._ledger_ahead = ledger_ahead
         self._state_path = None if state_path is None else os.fspath(state_path)
         self._resumed: Optional[Dict[str, Any]] = None
@@ -398,7 +397,7 @@ class DifferentialPrivacy(Strategy):
     ) -> Tuple[Any, float, float, Dict[str, Any]]:
         """(sampler object or None for the aggregator's own draws, denominator, q, calibration options)."""
         if kind == "poisson":
-            if q is None or sample_size_given(b):
+            if q is None or b is not None:
                 raise ValueError("sampler='poisson' takes sampling_probability (q, each client's rate), not sample_size")
             q = probability("sampling_probability", q)
             if not q > 0:
@@ -619,7 +618,6 @@ class DifferentialPrivacy(Strategy):
         released = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
         out_arrays, inner_metrics = self._inner_aggregate(server_round, released, replies)
         eps = self.epsilon()
-        self._last_epsilon = eps
         metrics = MetricRecord({
             METRIC_EPSILON: float(eps), METRIC_DELTA: float(self._delta), METRIC_RELEASES: int(self._releases),
             METRIC_CLIP: float(self.max_grad_norm) if self.clipping == "flat" else float("nan"),
@@ -781,6 +779,3 @@ class DifferentialPrivacy(Strategy):
             self._sampler_obj.load_state_dict(st["sampler"])
         self._releases = int(st["releases"])
 
-
-def sample_size_given(b: Any) -> bool:
-    return b is not None

@@ -36,6 +36,8 @@ class LocalGrid(Grid):
         }
         self._run: Any = None
         self.sent = 0
+        self._next = 0
+        self._replies: Dict[str, Message] = {}
         _set_identity()
 
     def set_run(self, run: Any) -> None:
@@ -56,20 +58,26 @@ class LocalGrid(Grid):
         return list(self.clients)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("LocalGrid runs send_and_receive only")
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("LocalGrid runs send_and_receive only")
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: Optional[float] = None) -> Iterable[Message]:
-        replies = []
+        """Runs each message's node at once and keeps its reply (none for a dropped or unknown
+        node) for :meth:`pull_messages`; returns one id per message, in order."""
+        ids = []
         for m in messages:
+            self._next += 1
+            mid = f"local-{self._next}"
+            ids.append(mid)
             nid = int(m.metadata.dst_node_id)
             self.sent += 1
             if nid in self.drop or nid not in self.clients:
                 continue
-            replies.append(self.clients[nid](m, self._contexts[nid]))
-        return replies
+            self._replies[mid] = self.clients[nid](m, self._contexts[nid])
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies to the given ids that exist (each handed out once)."""
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: Optional[float] = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
 
 
 def _set_identity() -> None:
