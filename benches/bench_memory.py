@@ -25,9 +25,9 @@ workspace, the second runs with the pipeline state a real loop has, e.g. dpcore'
 being drawn), and reports ``ru_maxrss`` (its absolute peak) and ``ru_maxrss - base`` (what the
 steps added: the step's memory). On CUDA (code path untested on the 2-core development VM) it
 reports ``torch.cuda.max_memory_allocated`` over the steps minus ``memory_allocated`` before them.
-Poisson batch sizes vary around B (±√B): so that the DP rows measure B records, not a
-lucky or unlucky draw, the DP children skip (draw and drop) Poisson batches until one of B to
-B + B/64 + 1 records, and step on that one (the records stepped on are still a Poisson sample
+Poisson batch sizes vary around B (±√B): so that the DP rows measure B records, as the
+non-private row does, not a lucky or unlucky draw, the DP children skip (draw and drop) Poisson
+batches until one of exactly B records (about √(2πB) draws), and step on that one (the records stepped on are still a Poisson sample
 of the dataset, only its size is conditioned; this is a memory bench, not a private run);
 the largest batch a child stepped on is printed beside the table. Children run with
 ``MALLOC_MMAP_THRESHOLD_=131072`` unless ``--glibc-default``, so that RSS follows the live
@@ -59,7 +59,7 @@ from _timing import child_result
 
 RESULT = "MEM-RESULT "
 MODELS = ("transformer", "lora")
-CONFIGS = ("non-private", "dpcore", "opacus-ghost")
+CONFIGS = ("non-private", "dpcore", "dpcore-lean", "opacus-ghost")
 RECORDS_PER_BATCH = 50
 SEED = 0
 
@@ -147,10 +147,12 @@ def run_one(model_name: str, config: str, b: int, args: argparse.Namespace) -> D
         params = [p for p in model.parameters() if p.requires_grad]
         opt: Any = torch.optim.SGD(params, lr=0.01)
         crit: Any = _LMLoss() if is_lm else nn.CrossEntropyLoss()
-        if config == "dpcore":
+        if config in ("dpcore", "dpcore-lean"):
             import dpcore.torch
 
-            model, opt, loader = dpcore.torch.make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0)
+            model, opt, loader = dpcore.torch.make_private(
+                model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                memory="lean" if config == "dpcore-lean" else "default")
         elif config == "opacus-ghost":
             try:
                 from opacus import PrivacyEngine
@@ -168,8 +170,8 @@ def run_one(model_name: str, config: str, b: int, args: argparse.Namespace) -> D
         model.train()
         it = iter(loader)
         dp = config != "non-private"
-        if dp:  # draw (and drop) Poisson batches until one of B to B + B/64 + 1 records: see the docstring
-            hi = b + b // 64 + 1
+        if dp:  # draw (and drop) Poisson batches until one of exactly B records: see the docstring
+            hi = b
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -189,7 +191,7 @@ def run_one(model_name: str, config: str, b: int, args: argparse.Namespace) -> D
                     it = iter(loader)
                     xb, yb = next(it)
                 drawn += 1
-                if not dp or b <= len(xb) <= hi or drawn > 20 * RECORDS_PER_BATCH:
+                if not dp or b <= len(xb) <= hi or drawn > 200 * RECORDS_PER_BATCH:
                     break
             xb, yb = xb.to(device), yb.to(device)
             sizes.append(int(xb.shape[0]))
@@ -311,9 +313,11 @@ def _cell(runs: List[Dict[str, Any]]) -> Tuple[Any, Any, str]:
 
 
 def _table(m: str, args: argparse.Namespace, res: Dict[Tuple[str, int], List[Dict[str, Any]]]) -> None:
-    print(f"\n{m}: memory added by the training steps, MiB (absolute peak in parentheses)")
-    print(f"  {'B':>5s} {'non-private':>17s} {'dpcore':>17s} {'Opacus ghost':>17s} {'dpcore/np':>10s} {'dpcore/Opacus':>14s}"
-          f"  {'goal <= 1.1x':>12s}  largest Poisson batch dpcore / Opacus")
+    print(f"\n{m}: memory added by the training steps, MiB (absolute peak in parentheses); ratios of the added "
+          "memory, and of the absolute peak in parentheses; lean: memory='lean'")
+    print(f"  {'B':>5s} {'non-private':>17s} {'dpcore':>17s} {'dpcore lean':>17s} {'Opacus ghost':>17s} "
+          f"{'dpcore/np':>15s} {'lean/np':>15s} {'dpcore/Opacus':>14s} {'lean/Opacus':>12s}"
+          f"  {'lean goal <= 1.05x':>18s}  largest Poisson batch dpcore / lean / Opacus")
     errors = []
     for b in args.batches:
         cells = {c: _cell(res.get((c, b), [])) if (c, b) in res else (None, None, "not run") for c in CONFIGS}
@@ -326,13 +330,22 @@ def _table(m: str, args: argparse.Namespace, res: Dict[Tuple[str, int], List[Dic
                 return "opacus not installed" if e == "opacus not installed" else ("-" if e == "not run" else "failed")
             return f"{s:7.0f} ({p:6.0f})"
 
-        (snp, _, _), (sdp, _, _), (sop, _, _) = cells["non-private"], cells["dpcore"], cells["opacus-ghost"]
-        r1 = f"{sdp / snp:.2f}x" if snp and sdp is not None else "-"
-        r2 = f"{sdp / sop:.2f}x" if sop and sdp is not None else "-"
-        goal = ("ok" if sdp / snp <= 1.1 else "MISSED") if snp and sdp is not None else "-"
+        (snp, pnp, _), (sop, _, _) = cells["non-private"], cells["opacus-ghost"]
+
+        def vs_np(c: str) -> str:
+            s, p, _ = cells[c]
+            return f"{s / snp:.2f}x ({p / pnp:.2f}x)" if snp and s is not None else "-"
+
+        def vs_op(c: str) -> str:
+            s = cells[c][0]
+            return f"{s / sop:.2f}x" if sop and s is not None else "-"
+
+        sl = cells["dpcore-lean"][0]
+        goal = ("ok" if sl / snp <= 1.05 else "MISSED") if snp and sl is not None else "-"
         big = lambda c: max((max(r.get("sizes") or [0]) for r in res.get((c, b), []) if "error" not in r), default=None)
-        print(f"  {b:5d} {fmt('non-private'):>17s} {fmt('dpcore'):>17s} {fmt('opacus-ghost'):>17s} {r1:>10s} {r2:>14s}"
-              f"  {goal:>12s}  {big('dpcore')} / {big('opacus-ghost')}")
+        print(f"  {b:5d} {fmt('non-private'):>17s} {fmt('dpcore'):>17s} {fmt('dpcore-lean'):>17s} "
+              f"{fmt('opacus-ghost'):>17s} {vs_np('dpcore'):>15s} {vs_np('dpcore-lean'):>15s} {vs_op('dpcore'):>14s} "
+              f"{vs_op('dpcore-lean'):>12s}  {goal:>18s}  {big('dpcore')} / {big('dpcore-lean')} / {big('opacus-ghost')}")
     for e in errors:
         print(f"  failed: {e[:300]}")
 

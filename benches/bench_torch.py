@@ -80,14 +80,15 @@ from torch import nn
 
 MODELS = ("transformer", "cnn", "lstm", "mlp", "llama", "llama-lora", "wrn16-4", "resnet18")
 CONFIGS = ("non-private", "dpcore", "opacus-hooks", "opacus-ghost")
-# Not run by default: the floating-point-safe noise of issue 17 (--configs ... dpcore-discrete).
-EXTRA_CONFIGS = ("dpcore-discrete",)
+# Not run by default: the floating-point-safe noise of issue 17 (--configs ... dpcore-discrete), and
+# the memory-lean mode (memory="lean": a second backward pass; its memory in bench_memory.py).
+EXTRA_CONFIGS = ("dpcore-discrete", "dpcore-lean")
 # The forward pass under torch.autocast(dtype=torch.bfloat16): --bf16, for BF16_MODELS only.
 BF16 = "-bf16"
 BF16_CONFIGS = tuple(c + BF16 for c in CONFIGS)
 BF16_MODELS = ("transformer", "cnn")
 LABELS = {"non-private": "non-private torch", "dpcore": "dpcore.torch", "opacus-hooks": "Opacus hooks",
-          "opacus-ghost": "Opacus ghost", "dpcore-discrete": "dpcore discrete"}
+          "opacus-ghost": "Opacus ghost", "dpcore-discrete": "dpcore discrete", "dpcore-lean": "dpcore lean"}
 LABELS.update({c + BF16: LABELS[c] + " bf16" for c in CONFIGS})
 DESCRIPTION = {
     "transformer": "Embedding(8000,256) + 2 x TransformerEncoderLayer(256, 4 heads, ff 1024) + Linear(256,2), "
@@ -280,14 +281,15 @@ def _setup(config: str, model: Any, loader: Any, device: Any) -> Tuple[Callable[
     if config == "non-private":
         model = model.to(device)
         opt: Any = torch.optim.SGD(model.parameters(), lr=0.01)
-    elif config in ("dpcore", "dpcore-discrete"):
+    elif config in ("dpcore", "dpcore-discrete", "dpcore-lean"):
         import dpcore.torch
 
         model = model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         mech = "discrete_gaussian" if config == "dpcore-discrete" else "gaussian"
         model, opt, loader = dpcore.torch.make_private(
-            model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism=mech)
+            model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism=mech,
+            memory="lean" if config == "dpcore-lean" else "default")
     elif config in ("opacus-hooks", "opacus-ghost"):
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator
@@ -424,6 +426,10 @@ def _table(model_name: str, res: Dict[str, Dict[str, Any]], device: str, suffix:
     disc = res.get("dpcore-discrete" + suffix)
     if dp is not None and disc is not None and "error" not in dp and "error" not in disc:
         print(f"  discrete Gaussian / Gaussian step: {disc['ms'] / dp['ms']:.2f}x")
+    lean = res.get("dpcore-lean" + suffix)
+    if dp is not None and lean is not None and "error" not in dp and "error" not in lean:
+        print(f"  memory-lean / default step: {lean['ms'] / dp['ms']:.2f}x (peak {lean['peak_mib']:.0f} against "
+              f"{dp['peak_mib']:.0f} MiB)")
     ops = [(c, res[c]) for c in ("opacus-hooks" + suffix, "opacus-ghost" + suffix)
            if c in res and "error" not in res[c]]
     if dp is not None and "error" not in dp and ops:

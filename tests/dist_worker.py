@@ -130,6 +130,8 @@ def main() -> None:
         kw["max_physical_batch_size"] = int(opts["physical"])
     if "on_nonfinite" in opts:
         kw["on_nonfinite"] = opts["on_nonfinite"]
+    if "memory" in opts:
+        kw["memory"] = opts["memory"]
     if scenario == "noise":
         net = torch.nn.Linear(200, 100)
         ds = TensorDataset(torch.randn(N, 200), torch.zeros(N, 100))

@@ -165,13 +165,17 @@ TORCH_PATHS = {
     "micro_batches": dict(model_fn=mlp, max_physical_batch_size=5),
     "bf16": dict(model_fn=mlp, amp=torch.bfloat16),
     "fp16_grad_scaler": dict(model_fn=mlp, amp=torch.float16, scaler=True),
+    # the memory-lean mode's two backward passes (norms, then the reweighted sums)
+    "lean": dict(model_fn=seq_model, memory="lean"),
+    "lean_micro_batches_fp16": dict(model_fn=mlp, max_physical_batch_size=5, amp=torch.float16, scaler=True,
+                                    memory="lean"),
 }
 
 
 #: Reduced precision: the records D and D′ share are computed in batches of another size, and
 #: their bfloat16/float16 products can round differently (the kernels block by batch shape); the
 #: mixed-precision bound of docs/pytorch.md allows 4u per record, u = 2⁻⁸ (bfloat16) or 2⁻¹¹.
-RTOL = {"bf16": 4 * 2.0**-8, "fp16_grad_scaler": 4 * 2.0**-11}
+RTOL = {"bf16": 4 * 2.0**-8, "fp16_grad_scaler": 4 * 2.0**-11, "lean_micro_batches_fp16": 4 * 2.0**-11}
 
 
 @pytest.mark.parametrize("path", sorted(TORCH_PATHS))

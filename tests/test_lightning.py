@@ -79,8 +79,13 @@ def params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_one_step_at_noise_zero_is_the_brute_force_clipped_average(tmp_path):
+@pytest.mark.parametrize("memory,direct", [("default", False), ("lean", False), ("lean", True)])
+def test_one_step_at_noise_zero_is_the_brute_force_clipped_average(tmp_path, memory, direct):
+    """Both memory modes; ``direct``: training_step calls ``self.net(x)``, not the module itself
+    (the lean mode taps the outermost call, whichever module it is)."""
     model = Tiny(lr=1.0)
+    if direct:
+        model.training_step = lambda batch, *a: nn.functional.cross_entropy(model.net(batch[0]), batch[1])
     x, y = dataset().tensors
     ref = copy.deepcopy(model.net)
     per = []  # each record's gradient, one backward pass per record (brute force)
@@ -91,7 +96,8 @@ def test_one_step_at_noise_zero_is_the_brute_force_clipped_average(tmp_path):
     norms = torch.tensor([math.sqrt(sum(float((g**2).sum()) for g in gs)) for gs in per])
     clip = float(norms.median())
 
-    dp = DPCallback(noise_multiplier=0.0, max_grad_norm=clip, delta=DELTA, ledger=str(tmp_path / "l.jsonl"), seed=4)
+    dp = DPCallback(noise_multiplier=0.0, max_grad_norm=clip, delta=DELTA, ledger=str(tmp_path / "l.jsonl"), seed=4,
+                    memory=memory)
     before = params(model)
     trainer(tmp_path, [dp], max_steps=1).fit(model)
     idx = [int(i) for i in dp.data_loader.last_indices]
@@ -106,6 +112,7 @@ def test_one_step_at_noise_zero_is_the_brute_force_clipped_average(tmp_path):
     for p0, p1, w in zip(before, params(model), want):
         torch.testing.assert_close((p0 - p1).double(), w / den, rtol=1e-4, atol=1e-6)  # SGD lr=1: Δ = -average
     assert dp.ledger.num_releases == 1
+    assert dp.optimizer.memory == memory
     assert not hasattr(model.net[0], "__dict__") or "forward" not in model.net[0].__dict__  # instrumentation removed
 
 

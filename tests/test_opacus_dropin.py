@@ -205,6 +205,7 @@ def test_opacus_habits_accepted(tmp_path):
     m, o, c, loader = pe.make_private(module=model, optimizer=opt, data_loader=dl, criterion=crit,
                                       noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost")
     assert c is crit and m._module is model
+    assert o.memory == "lean"  # Opacus's ghost clipping is dpcore's memory-lean mode
     assert list(m.state_dict())[0].startswith("_module.")
     assert pe.get_epsilon(1e-5) == 0.0
     _train(m, o, loader)

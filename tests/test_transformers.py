@@ -642,3 +642,21 @@ def test_non_finite_record(tmp_path, on_nonfinite):
         tr.train()
         assert tr.ledger.num_releases == len(tr.ledger.samples) == 3
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lean_memory_trains_as_the_default_mode(tmp_path):
+    """memory="lean" on the trainer (two backward passes per micro-batch, with gradient accumulation):
+    the same releases as the default mode at the same seed, noise included."""
+    out = []
+    for memory in ("default", "lean"):
+        model = lora(gpt2())
+        tr = dp_trainer(tmp_path / memory, model, dp=dict(noise_multiplier=0.5, seed=11, memory=memory), max_steps=2,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=4, optim="sgd", learning_rate=0.5)
+        tr.train()
+        assert tr.ledger.num_releases == 2
+        from dpcore.transformers._trainer import _find_dp
+
+        assert _find_dp(tr.optimizer).memory == memory
+        out.append(snapshot(model))
+    for k in out[0]:
+        assert torch.allclose(out[0][k], out[1][k], atol=1e-6, rtol=1e-5), k

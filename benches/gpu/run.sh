@@ -112,10 +112,10 @@ if [ $dry = 1 ]; then
     want profile && step "profile_step" 300 "$py" benches/gpu/profile_step.py --device cpu --models mlp \
         --steps 2 --warmup 1 --top 5
     want torch && step "bench_torch" 300 "$py" benches/bench_torch.py --device cpu --models mlp \
-        --configs non-private dpcore opacus-ghost --steps 2 --min-steps 1 --budget 1 --warmup 1 --rounds 1 \
+        --configs non-private dpcore dpcore-lean opacus-ghost --steps 2 --min-steps 1 --budget 1 --warmup 1 --rounds 1 \
         --json "$out/torch.json"
     want memory && step "bench_memory" 300 "$py" benches/bench_memory.py --device cpu --models transformer \
-        --batches 4 --seq 8 --repeats 1 --steps 1 --configs non-private dpcore --json "$out/memory.json"
+        --batches 4 --seq 8 --repeats 1 --steps 1 --configs non-private dpcore dpcore-lean --json "$out/memory.json"
     want trainer && step "bench_trainer" 300 "$py" benches/bench_trainer.py --device cpu --modes lora \
         --steps 2 --warmup 1 --rounds 1 --json "$out/trainer.json"
     want noise && step "bench_device_noise" 120 "$py" benches/bench_device_noise.py --devices cpu \
@@ -127,7 +127,7 @@ elif [ $fast = 1 ]; then
     want profile && step "profile_step (where the time goes)" 45 "$py" benches/gpu/profile_step.py --models transformer \
         --bf16 --steps 10 --warmup 6 --top 12
     want torch && step "bench_torch" 100 "$py" benches/bench_torch.py --device cuda --models transformer cnn \
-        --configs non-private dpcore opacus-hooks opacus-ghost non-private-bf16 dpcore-bf16 \
+        --configs non-private dpcore dpcore-lean opacus-hooks opacus-ghost non-private-bf16 dpcore-bf16 \
         --steps 20 --min-steps 5 --budget 1 --warmup 4 --rounds 1 --json "$out/torch.json"
     want trainer && step "bench_trainer (GPT-2 small shape, bf16)" 75 "$py" benches/bench_trainer.py --device cuda \
         --size small --bf16 --modes lora full --steps 5 --warmup 2 --rounds 1 --json "$out/trainer.json"

@@ -23,6 +23,19 @@ def renamed(new: str, value: Any, old: str, old_value: Any, *, required: bool = 
     return value
 
 
+#: The values of ``memory=`` (torch, the Hugging Face trainer, Lightning): ``"default"`` (norms and
+#: clipped sums from one backward pass, every layer's factors held to the step) and ``"lean"``
+#: (ghost clipping: norms in a first backward pass, the clipped sums in a second one).
+MEMORY = ("default", "lean")
+
+
+def memory(value: Any) -> str:
+    """``memory=`` checked: one of :data:`MEMORY`."""
+    if value not in MEMORY:
+        raise ValueError(f"memory must be one of {MEMORY}, got {value!r}")
+    return str(value)
+
+
 #: The values of ``noise_mechanism=`` (every front end; :data:`dpcore.plan.NOISE_MECHANISMS`):
 #: independent Gaussian or discrete Gaussian noise per step (DP-SGD), or the correlated noise of
 #: a banded or BLT matrix factorization.

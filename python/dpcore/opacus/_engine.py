@@ -142,6 +142,10 @@ class PrivacyEngine:
         if isinstance(module, GradSampleModule):
             module = module._module
         ModuleValidator.validate(module, strict=True)
+        if grad_sample_mode == "ghost":
+            # Opacus's ghost clipping is two backward passes for memory: dpcore's memory-lean mode
+            # (the criterion stays the user's own: the two passes run inside loss.backward()).
+            kwargs.setdefault("memory", "lean")
         opts = dict(
             ledger=self._the_ledger(), clipping=clipping, loss_reduction=loss_reduction, batch_first=batch_first,
             sampler="poisson" if poisson_sampling else "shuffle", **kwargs,

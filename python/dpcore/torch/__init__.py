@@ -51,6 +51,7 @@ from ._cyclic import CyclicDataLoader, FixedOrderLoader
 from ._data import DPDataLoader
 from ._samplers import SamplerDataLoader, refuse_distributed
 from ._distributed import DistributedError, current_communicator, resolve_ledger
+from ._lean import MEMORY, check_memory
 from ._engine import FallbackWarning, PerRecordGradients, check_on_nonfinite, clip_factors, clip_margin, replace_batchnorm
 from ._rules import EmbeddingRule, LayerRule, register_layer
 from ._optimizer import DPOptimizer, GradScalerGrowthWarning, OverflowSkipWarning, PlannedStepsWarning
@@ -112,6 +113,7 @@ def make_private(
     on_nonfinite: str = "zero",
     population_size: Optional[int] = None,
     privacy_unit: str = "example",
+    memory: str = "default",
     user_ids: Any = None,
     examples_per_user: Optional[int] = None,
     max_examples_per_user: Optional[int] = None,
@@ -278,6 +280,7 @@ def make_private(
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
     check_on_nonfinite(on_nonfinite)
+    check_memory(memory)
     noise_mechanism = _names.noise_mechanism(noise_mechanism, mechanism)
     noise_mechanism, strategy = _names.legacy_independent(noise_mechanism, strategy)
     if _adapters.wants_target(noise_multiplier, target_epsilon, target_delta, epochs, "make_private"):
@@ -288,7 +291,7 @@ def make_private(
             grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
             granularity=granularity, grad_scaler=grad_scaler, seed=seed, noise_mechanism=noise_mechanism,
             strategy=strategy, participation=participation, keep_loader=keep_loader, sampler=sampler,
-            max_batch_size=max_batch_size, num_selected=num_selected, on_nonfinite=on_nonfinite,
+            max_batch_size=max_batch_size, num_selected=num_selected, on_nonfinite=on_nonfinite, memory=memory,
             population_size=population_size, privacy_unit=privacy_unit, user_ids=user_ids,
             examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user,
         )
@@ -332,7 +335,7 @@ def make_private(
             grad_sample_mode=grad_sample_mode, batch_first=batch_first, poisson_sampling=poisson_sampling,
             mechanism="gaussian", granularity=granularity, grad_scaler=grad_scaler, seed=seed,
             noise_mechanism=noise_mechanism, strategy=strategy, epochs=epochs, participation=participation,
-            keep_loader=keep_loader, on_nonfinite=on_nonfinite,
+            keep_loader=keep_loader, on_nonfinite=on_nonfinite, memory=memory,
         )
     given = [k for k, v in (("strategy", strategy), ("epochs", epochs), ("participation", participation)) if v is not None]
     if keep_loader:
@@ -393,6 +396,7 @@ def make_private(
         grad_scaler=grad_scaler,
         seed=seed,
         on_nonfinite=on_nonfinite,
+        memory=memory,
     )
     return model, opt, loader
 
@@ -512,7 +516,7 @@ def _make_private_mf(
     max_grad_norm: Any, query: Any, ledger: Any, clipping: str, joint_scales: Any, max_physical_batch_size: Any,
     loss_reduction: str, grad_sample_mode: str, batch_first: bool, poisson_sampling: Optional[bool], mechanism: str,
     granularity: Any, grad_scaler: Any, seed: Any, noise_mechanism: str, strategy: Any, epochs: Any,
-    participation: Any, keep_loader: bool, on_nonfinite: str = "zero",
+    participation: Any, keep_loader: bool, on_nonfinite: str = "zero", memory: str = "default",
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     from ..queries import MatrixFactorizationQuery
     from ._mf import choose_strategy, schedule, sgd_momentum
@@ -560,7 +564,7 @@ def _make_private_mf(
     opt = DPOptimizer(
         optimizer, model=model, query=q, expected_batch_size=loader.expected_batch_size, ledger=ledger,
         loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode, batch_first=batch_first,
-        data_loader=loader, seed=seed, on_nonfinite=on_nonfinite,
+        data_loader=loader, seed=seed, on_nonfinite=on_nonfinite, memory=memory,
     )
     return model, opt, loader
 

@@ -181,7 +181,9 @@ class QueryGroups:
         return all(g.query.plan_from_global_state for g in self.groups)
 
     @torch.no_grad()
-    def clip_factors(self, engine: Any, on_nonfinite: str = "zero") -> Tuple[int, List[Optional[torch.Tensor]]]:
+    def clip_factors(
+        self, engine: Any, on_nonfinite: str = "zero", *, commit: bool = True
+    ) -> Tuple[int, List[Optional[torch.Tensor]]]:
         """This micro-batch's record count and each parameter's per-record factor
         c_i/denominator.
 
@@ -190,7 +192,9 @@ class QueryGroups:
         every group and its stored factors zeroed, so that it adds exactly nothing; the adaptive
         clipping count sees it as above any clip (norm +inf). Nothing about it is raised or
         released: which records those are changes no control flow. ``on_nonfinite="raise"``
-        raises ``ValueError`` naming the first such record instead (recording nothing)."""
+        raises ``ValueError`` naming the first such record instead (recording nothing).
+        ``commit=False``: the factors only, the queries' norm states left as they were (the
+        memory-lean mode's sum pass, before the step commits them)."""
         b, sq = engine.squared_norms()
         factors: List[Optional[torch.Tensor]] = [None] * len(sq)
         if b == 0:
@@ -236,8 +240,9 @@ class QueryGroups:
             if bad is not None:
                 norms = norms.masked_fill(bad, float("inf"))
             states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms.cpu().numpy()))
-        for g, st in zip(self.groups, states):  # only once every group passed its checks
-            g.ns = st
+        if commit:
+            for g, st in zip(self.groups, states):  # only once every group passed its checks
+                g.ns = st
         return b, factors
 
     # -- the release's plans ------------------------------------------------------------

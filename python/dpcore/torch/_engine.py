@@ -32,6 +32,7 @@ from torch import nn
 
 from ._amp import work_dtype
 from ._contrib import SHARED, Contribution, Grouping, gather, param_sq_norms, row_sq, shared_factors
+from ._lean import LeanPasses, check_memory, nonfinite_records
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
 __all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm", "MIN_FACTOR", "ON_NONFINITE"]
@@ -162,6 +163,7 @@ class PerRecordGradients:
         loss_reduction: str = "mean",
         microbatch_size: Optional[int] = None,
         batch_first: bool = True,
+        memory: str = "default",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -171,7 +173,11 @@ class PerRecordGradients:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1):
             raise ValueError(f"microbatch_size must be an int >= 1, got {microbatch_size!r}")
+        check_memory(memory)
         self.loss_reduction = loss_reduction
+        #: ``"lean"``: norms in a first backward pass, clipped sums in a second (see _lean.py).
+        self.memory = memory
+        self.lean: Optional[LeanPasses] = None
         self.batch_first = bool(batch_first)
         self.microbatch_size = microbatch_size
         #: The privacy unit "user": the number of examples of each user in the next batch, in
@@ -251,6 +257,10 @@ class PerRecordGradients:
         # carried into the next, a one-record batch's shared index row would be expanded to the
         # previous batch's size, counting that record several times.
         self._root_hook = model.register_forward_pre_hook(self._new_forward)
+        self._lean_hooks: List[Any] = []
+        if memory == "lean":
+            self.lean = LeanPasses(self)
+            self._lean_hooks = self.lean.install(model)
         self._used: List[Optional[List[Contribution]]] = []
         self._scale = 1.0
         #: After :meth:`squared_norms`: the records (units) whose squared norm is NaN or infinite
@@ -288,6 +298,9 @@ class PerRecordGradients:
         for h in self._hooks:
             h.remove()
         self._root_hook.remove()
+        for h in self._lean_hooks:
+            h.remove()
+        self._lean_hooks = []
         self._hooks = []
         self.rules = []
 
@@ -299,6 +312,43 @@ class PerRecordGradients:
         self.batch_hint = 0
         self.nonfinite = None
         self._zeroed = False
+        if self.lean is not None:
+            self.lean.reset()
+
+    def expect(self, params: Sequence[Optional[nn.Parameter]]) -> None:
+        """A layer's forward built a node whose backward adds one contribution to each of
+        ``params`` (None: frozen): lean mode takes a parameter's norm as soon as its last
+        expected contribution arrives, instead of holding its factors to the end of the pass."""
+        if self.lean is not None:
+            self.lean.expect(params)
+
+    def units(self, b: int, cs: List[Contribution]) -> Tuple[int, List[Contribution]]:
+        """(the number of privacy units among ``b`` records, ``cs`` regrouped into units):
+        users (``record_groups``) or microbatches, else the records themselves."""
+        k = self.microbatch_size
+        groups = self.record_groups
+        if groups is not None:
+            # The privacy unit "user": a user's gradient is the mean of its examples' (Charles
+            # et al. 2024, user-level sampling), clipped as one record.
+            if k is not None and k > 1:
+                raise ValueError("microbatches (MicrobatchQuery) and users as the privacy unit cannot be combined")
+            counts = torch.as_tensor(groups, dtype=torch.int64).reshape(-1).cpu()
+            if int(counts.sum()) != b or (counts.numel() and int(counts.min()) < 1):
+                raise ValueError(
+                    f"the batch holds {b} examples but its users' example counts sum to {int(counts.sum())}: with "
+                    "privacy_unit='user', step once per batch of the loader that make_private returned"
+                )
+            grouping = Grouping(counts, self.params[0].device)
+            w = (1.0 / counts.to(torch.float64)).repeat_interleave(counts)
+            memo: Dict[Any, torch.Tensor] = {}
+            return grouping.units, [c.group(w.to(c.param.device), grouping, memo) for c in cs]
+        if k is not None and k > 1:
+            units = -(-b // k)
+            counts_f = torch.full((units,), float(k), dtype=torch.float64)
+            counts_f[-1] = b - k * (units - 1)
+            wk = (1.0 / counts_f).repeat_interleave(k)[:b]
+            return units, [c.regroup(wk.to(c.param.device), k) for c in cs]
+        return b, cs
 
     @torch.no_grad()
     def squared_norms(self) -> Tuple[int, List[Optional[torch.Tensor]]]:
@@ -308,6 +358,8 @@ class PerRecordGradients:
         stored factors are zeroed by :meth:`zero_records`, at the latest by :meth:`clipped_sums`)."""
         contribs = [(r, c) for r in self.rules for c in r.contributions]
         n = len(self.params)
+        if self.lean is not None:
+            return self.lean.squared_norms(contribs)
         self.nonfinite, self._zeroed = None, False
         if not contribs:
             self._used = [None] * n
@@ -342,33 +394,7 @@ class PerRecordGradients:
             self._used = [None] * n
             return 0, [None] * n
         self._scale = (float(b) if self.loss_reduction == "mean" else 1.0) / self.loss_scale
-        cs = [c for _, c in contribs]
-        units = b
-        k = self.microbatch_size
-        groups = self.record_groups
-        if groups is not None:
-            # The privacy unit "user": a user's gradient is the mean of its examples' (Charles
-            # et al. 2024, user-level sampling), clipped as one record.
-            if k is not None and k > 1:
-                raise ValueError("microbatches (MicrobatchQuery) and users as the privacy unit cannot be combined")
-            counts = torch.as_tensor(groups, dtype=torch.int64).reshape(-1).cpu()
-            if int(counts.sum()) != b or (counts.numel() and int(counts.min()) < 1):
-                raise ValueError(
-                    f"the batch holds {b} examples but its users' example counts sum to {int(counts.sum())}: with "
-                    "privacy_unit='user', step once per batch of the loader that make_private returned"
-                )
-            grouping = Grouping(counts, self.params[0].device)
-            units = grouping.units
-            w = (1.0 / counts.to(torch.float64)).repeat_interleave(counts)
-            memo: Dict[Any, torch.Tensor] = {}
-            cs = [c.group(w.to(c.param.device), grouping, memo) for c in cs]
-            del memo
-        elif k is not None and k > 1:
-            units = -(-b // k)
-            counts = torch.full((units,), float(k), dtype=torch.float64)
-            counts[-1] = b - k * (units - 1)
-            w = (1.0 / counts).repeat_interleave(k)[:b]
-            cs = [c.regroup(w.to(c.param.device), k) for c in cs]
+        units, cs = self.units(b, [c for _, c in contribs])
         by = gather(cs)
         out: List[Optional[torch.Tensor]] = []
         self._used = []
@@ -385,12 +411,7 @@ class PerRecordGradients:
             sq, used = param_sq_norms(mine, units, cache)
             out.append(sq * s2 if s2 != 1.0 else sq)
             self._used.append(used)
-        bad: Optional[torch.Tensor] = None
-        for part in out:
-            if part is not None:
-                nb = ~torch.isfinite(part)
-                bad = nb if bad is None else bad | nb.to(bad.device)
-        self.nonfinite = bad if bad is not None and bool(bad.any()) else None
+        self.nonfinite = nonfinite_records(out)
         return units, out
 
     @torch.no_grad()
@@ -404,6 +425,9 @@ class PerRecordGradients:
             if mask is None or self._zeroed:
                 return
             self._zeroed = True
+        if self.lean is not None:
+            self.lean.zero_records(mask)
+            return
         memo: Dict[int, Any] = {}
         for used in self._used:
             for u in used or ():
@@ -432,6 +456,8 @@ class PerRecordGradients:
         reduce-scatters one parameter at a time, so that no full-size buffer of every parameter
         is ever held (call :meth:`clear` after the last)."""
         into = [None] * len(factors) if into is None else into
+        if self.lean is not None:
+            return self.lean.clipped_sums(factors, into, only=only, clear=clear)
         out: List[Optional[torch.Tensor]] = []
         # a record whose norm was not finite adds exactly 0 (a zero factor times NaN is NaN)
         self.zero_records()

@@ -91,6 +91,10 @@ class GaussianNoise(NoiseSource):
         # loop runs its forward and backward passes (see noise).
         self._worker = Worker("noise")
         self._next: Optional[Tuple[int, List[List[Optional[float]]], Future]] = None
+        #: Whether the next release's noise is drawn ahead, on a background thread. False in the
+        #: memory-lean mode: a drawn-ahead noise tensor of every parameter's size would be held
+        #: through the next forward and backward passes.
+        self.ahead = True
 
     @property
     def device_mode(self) -> str:
@@ -172,7 +176,8 @@ class GaussianNoise(NoiseSource):
             z = pending[2].result()
         else:
             z = self.draw(step, sds)
-        self._next = (step + 1, sds, self._worker.submit(self.draw, step + 1, sds, False))
+        if self.ahead:
+            self._next = (step + 1, sds, self._worker.submit(self.draw, step + 1, sds, False))
         return z
 
     @torch.no_grad()

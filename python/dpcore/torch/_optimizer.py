@@ -29,6 +29,7 @@ from ._clip import MF, QueryGroups, TrainableWatch, build_query, check_arguments
 from ._combinations import Setup, check_combination
 from ._distributed import current_communicator, is_sharded, resolve_ledger, unwrap_ddp
 from ._engine import PerRecordGradients, check_on_nonfinite
+from ._lean import check_memory
 from ._loader import LoaderView
 from ._mf import MFNoise, PlannedStepsWarning
 from ._noise import DiscreteGaussianNoise, GaussianNoise, NoiseSource, NoiseSources
@@ -145,6 +146,7 @@ class DPOptimizer(torch.optim.Optimizer):
         grad_scaler: Any = None,
         seed: Optional[int] = None,
         on_nonfinite: str = "zero",
+        memory: str = "default",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -177,9 +179,15 @@ class DPOptimizer(torch.optim.Optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         model = unwrap_ddp(model)
         sharded = tuple(is_sharded(p) for p in params if p.requires_grad)
+        if check_memory(memory) == "lean" and any(sharded):
+            raise ValueError(
+                "memory='lean' is not supported with sharded parameters (FSDP2): its sums are held per parameter at "
+                "full size, which sharding avoids; use memory='default'"
+            )
         # capture
         self.engine = PerRecordGradients(
-            model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first, microbatch_size=k
+            model, params, mode=grad_sample_mode, loss_reduction=loss_reduction, batch_first=batch_first, microbatch_size=k,
+            memory=check_memory(memory),
         )
         self.param_names = list(self.engine.param_names)
         self._params: List[torch.Tensor] = list(self.engine.params)
@@ -209,9 +217,14 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         self._noise = make_noise(self._queries, self._params, seed, self.engine, self._transport)
         self._transport.noise = self._noise
+        self._noise.gaussian.ahead = memory != "lean"
         self._scaler = GradScaling(grad_scaler)
         if grad_scaler is not None:
             warn_if_growing(grad_scaler, stacklevel=2)
+        self.memory = memory
+        if self.engine.lean is not None:
+            self.engine.lean.prepare = self._lean_prepare
+            self.engine.lean.plan = self._lean_plan
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
@@ -394,6 +407,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._setup = self._setup.with_grad_scaler()
         self._scaler.grad_scaler = grad_scaler
         warn_if_growing(grad_scaler, stacklevel=2)
+
+    # -- the memory-lean mode's two passes (dpcore.torch._lean) ---------------------------
+
+    def _lean_prepare(self) -> None:
+        # what the step would set before clipping: the loss scale and the batch's users
+        self.engine.loss_scale = float(self._scaler.grad_scaler.get_scale()) if self._scaler.active else 1.0
+        self.engine.record_groups = LoaderView(self.data_loader).record_groups
+
+    def _lean_plan(self) -> List[Optional[torch.Tensor]]:
+        # The step's own clip stage, its norm states left for the step to commit: the factors
+        # of the sum pass are those the step then computes again (and checks) from the same norms.
+        return self._queries.clip_factors(self.engine, "zero", commit=False)[1]
 
     # -- the DP step ------------------------------------------------------------------
 

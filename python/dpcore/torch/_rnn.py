@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
 from ._amp import amp_cast, amp_dtype
+from ._lean import retaining_graph
 
 __all__ = ["recurrent_forward"]
 
@@ -204,7 +205,8 @@ class _RecurrentFn(torch.autograd.Function):
         else:
             d_ih, dh0 = _rnn_backward(dt, dh, hs, w_hh, mode == "RNN_RELU")
             d_hh = d_ih
-        del ctx.saved
+        if not retaining_graph():  # (a lean norm pass runs this node again)
+            del ctx.saved
         x = ctx.x
         xt = x.transpose(0, 1)
         if reverse:

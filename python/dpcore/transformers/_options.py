@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from .._adapters import check_noise_or_target, check_privacy_unit
-from .._names import MF_NOISE, noise_mechanism as noise_mechanism_name
+from .._names import MF_NOISE, memory as check_memory, noise_mechanism as noise_mechanism_name
 from .._validate import positive as _positive
 from ..ledger import PrivacyLedger
 from ..sampling import registered_samplers
@@ -50,6 +50,8 @@ class _DPOptions:
     user_id_column: Optional[str] = None
     examples_per_user: Optional[int] = None
     max_examples_per_user: Optional[int] = None
+    #: "default" or "lean" (:data:`dpcore.torch.MEMORY`): the per-record gradients' memory mode
+    memory: str = "default"
 
 
 #: The privacy units of the DP trainer (``privacy_unit=``): one example (a row of
@@ -101,6 +103,7 @@ def _dp_options(
     user_id_column: Optional[str] = None,
     examples_per_user: Optional[int] = None,
     max_examples_per_user: Optional[int] = None,
+    memory: str = "default",
     _stacklevel: int = 3,
 ) -> _DPOptions:
     """The checks that need neither the model nor the data, made once, before the Trainer is
@@ -174,6 +177,7 @@ def _dp_options(
         raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    check_memory(memory)
     if population_size is not None:
         if isinstance(population_size, bool) or not isinstance(population_size, int) or population_size < 1:
             raise ValueError(f"population_size must be an int >= 1, got {population_size!r}")
@@ -192,4 +196,5 @@ def _dp_options(
         privacy_unit="user" if users else "example", user_id_column=user_id_column if users else None,
         examples_per_user=None if examples_per_user is None else int(examples_per_user),
         max_examples_per_user=None if max_examples_per_user is None else int(max_examples_per_user),
+        memory=memory,
     )

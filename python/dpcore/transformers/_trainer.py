@@ -189,6 +189,8 @@ class DPTrainerMixin:
     _dp_run: Optional[DPRun] = None
     #: What a record whose gradient is not finite does (``on_nonfinite=``, see DPOptimizer).
     _dp_on_nonfinite: str = "zero"
+    #: The per-record gradients' memory mode (``memory=``, see DPOptimizer).
+    _dp_memory: str = "default"
     #: The train_dataset column of the user ids (privacy unit "user"), else None.
     _dp_user_id_column: Optional[str] = None
 
@@ -298,6 +300,7 @@ class DPTrainerMixin:
         run.loss_fn = loss_fn
         run.ledger_ahead = o.ledger_ahead
         self._dp_on_nonfinite = o.on_nonfinite
+        self._dp_memory = o.memory
         # -- the Trainer's own batch clipping and data skipping are off (see the module docstring)
         old = float(args.max_grad_norm or 0.0)
         if old not in (0.0, _DEFAULT_TRAINER_CLIP):
@@ -497,6 +500,7 @@ class DPTrainerMixin:
             grad_scaler=getattr(getattr(self, "accelerator", None), "scaler", None),
             seed=run.seed,
             on_nonfinite=self._dp_on_nonfinite,
+            memory=self._dp_memory,
         )
         dp._dp_run = run
         dp.ledger_ahead = run.ledger_ahead  # what load_state_dict does with releases after the checkpoint
@@ -751,6 +755,7 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
         user_id_column: Optional[str] = None,
         examples_per_user: Optional[int] = None,
         max_examples_per_user: Optional[int] = None,
+        memory: str = "default",
         **trainer_kwargs: Any,
     ) -> None:
         # checked once, before the Trainer is built
@@ -760,7 +765,7 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
             noise_mechanism=noise_mechanism, delta=delta, per_record_loss=per_record_loss, accountant=accountant,
             ledger_ahead=ledger_ahead, seed=seed, poisson_sampling=poisson_sampling, on_nonfinite=on_nonfinite,
             population_size=population_size, privacy_unit=privacy_unit, user_id_column=user_id_column,
-            examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user,
+            examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user, memory=memory,
         )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._dp_setup(options)

@@ -71,6 +71,7 @@ class MultiheadAttentionRule(LayerRule):
         p = self.p(name)
         if p is None:
             return value
+        self.expect(p)
         return _ParamTapFn.apply(p, value, lambda g: self.add(Dense(p, g.reshape((n,) + tuple(p.shape)))))
 
     def forward(

@@ -169,12 +169,22 @@ class LayerRule:
         self.contributions = []
 
     def add(self, c: Contribution) -> None:
+        lean = self.engine.lean
+        if lean is not None and lean.take(c):
+            return  # lean mode: taken into a norm or a clipped sum as it arrives
         self.contributions.append(c)
         # Which backward pass this came from: records of two passes must never be merged. A
         # forward recomputed inside a backward pass (reentrant activation checkpointing) belongs
         # to that outer pass, whatever backward its recomputation then runs.
         t = self._fwd_task if self._fwd_task != -1 else _graph_task()
         self.engine.passes.add(t)
+
+    def expect(self, *params: Optional[nn.Parameter]) -> None:
+        """Declares, in a forward pass, that the node just built will add one contribution to
+        each trainable parameter of ``params`` (None: frozen) in its backward pass. Optional:
+        without it the memory-lean mode holds the parameter's factors to the end of its first
+        backward pass instead of taking the norm as soon as the last of them arrives."""
+        self.engine.expect(params)
 
     # -- what subclasses implement
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -212,6 +222,7 @@ class LayerRule:
 
         # Frozen tensors enter without their autograd edge; a trainable one keeps the output in
         # the graph even when x does not require grad (a first layer).
+        self.expect(wp, bp)
         return _LinearFn.apply(x, weight if wp is not None else weight.detach(), _frozen(bias, bp), wrows, brows, sink)
 
     def add_empty(self, *params: Optional[nn.Parameter]) -> None:

@@ -104,6 +104,7 @@ class EmbeddingRule(LayerRule):
             self.add(Rows(w, i.reshape(i.shape[0], math.prod(i.shape[1:])) if i.dim() else i.reshape(1, 1), g))
 
         # The module's weight as it is now: under FSDP2 the gathered one (``w`` is the shard).
+        self.expect(w)
         return _EmbeddingFn.apply(idx, m.weight, m, sink)
 
 

@@ -71,7 +71,9 @@ class GenericRule(LayerRule):
 
         if _seq_first(self, out):
             dargs = tuple(a.transpose(0, 1) if isinstance(a, torch.Tensor) and a.dim() >= 3 else a for a in dargs)
+            self.expect(*self.params.values())
             return self.tap(out, lambda g: per_record(g.transpose(0, 1), seq_first=True))
+        self.expect(*self.params.values())
         return self.tap(out, per_record)
 
     def _per_record(self, args: Any, kwargs: Any, g: torch.Tensor, seq_first: bool = False) -> None:

@@ -67,6 +67,7 @@ class TransposedLinearRule(LayerRule):
             if bp is not None:
                 self.add(Factored(bp, None, g))
 
+        self.expect(wp, bp)
         if _seq_first(self, x):
             x = x.transpose(0, 1)
             return _TransposedLinearFn.apply(x, _frozen(m.weight, wp), _frozen(m.bias, bp), sink).transpose(0, 1)

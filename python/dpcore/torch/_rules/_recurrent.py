@@ -37,4 +37,6 @@ class RecurrentRule(LayerRule):
                 if p is not None:
                     self.add(Factored(p, a, g))
 
+        # one node per layer and direction, whose backward adds each of its four parameters once
+        self.expect(*self.params.values())
         return recurrent_forward(self.module, input, hx, sink=sink, anchor=self.engine.anchor)
