@@ -144,11 +144,12 @@ def _loss(x, dtype):
     return loss_of
 
 
-def dp_release(model, loss_of, n, clip, den, scaler=None):
+def dp_release(model, loss_of, n, clip, den, scaler=None, memory="default"):
     m = copy.deepcopy(model)
     params = [p for p in m.parameters() if p.requires_grad]
     opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), model=m, noise_multiplier=0.0, max_grad_norm=clip,
-                      expected_batch_size=den, ledger=_ledger(), loss_reduction="sum", grad_scaler=scaler)
+                      expected_batch_size=den, ledger=_ledger(), loss_reduction="sum", grad_scaler=scaler,
+                      memory=memory)
     opt.ledger.record_sample(100, 0.1)
     loss = loss_of(m, list(range(n)))
     if scaler is not None:
@@ -181,7 +182,19 @@ def test_release_equals_brute_force_on_cuda(family, mode):
         torch.backends.cudnn.allow_tf32 = tf32
 
 
-def _check_family(family, mode, make, x):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lean_memory_release_equals_brute_force_on_cuda(family):
+    """memory="lean" (norms in a first backward pass, sums in a second) in float32."""
+    make, x = FAMILIES[family]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        _check_family(family, "fp32", make, x, memory="lean")
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _check_family(family, mode, make, x, memory="default"):
     torch.manual_seed(0)
     model = make().to(CUDA)
     dtype = {"fp32": None, "bf16-autocast": BF16, "fp16-gradscaler": FP16}[mode]
@@ -196,7 +209,7 @@ def _check_family(family, mode, make, x):
     with warnings.catch_warnings():
         if family != "generic":
             warnings.simplefilter("error", FallbackWarning)
-        got, names = dp_release(model, loss_of, N, clip, den, scaler)
+        got, names = dp_release(model, loss_of, N, clip, den, scaler, memory=memory)
     scale = max(float(r.abs().max()) for r in ref) / den
     u = {"fp32": None, "bf16-autocast": 2.0**-8, "fp16-gradscaler": 2.0**-11}[mode]
     for name, g, r, o in zip(names, got, ref, own):

@@ -223,6 +223,12 @@ def make_private(
     (a ledger of another unit is refused), the user population and the bound. Not with
     ``sampler="shuffle"``, matrix-factorization noise or ``query=`` microbatches.
 
+    **Memory.** ``memory="lean"`` (ghost clipping, Li et al. 2022): the per-record norms are taken in a
+    first backward pass below the model's outputs and the clipped sums in the ordinary second one,
+    each layer's factors dropped as soon as they are used, instead of holding every layer's factors
+    from one backward pass to the step (``memory="default"``). Same release, exactly; a second
+    backward pass of cost (docs/pytorch.md, "Memory").
+
     **Non-finite records.** ``on_nonfinite="zero"`` (the default): a record whose per-record
     gradient is NaN or infinite (bad data, an overflow) contributes exactly zero, in every
     clipping group, and the step releases as usual; nothing is raised or released about it.

@@ -92,6 +92,9 @@ class DPOptimizer(torch.optim.Optimizer):
       released, so no control flow depends on one record. ``"raise"``: ``ValueError`` naming
       the first such record, nothing released: a debugging aid whose outcome depends on the
       data (not DP).
+    * ``memory``: ``"default"`` (norms and clipped sums from the factors of one backward pass,
+      held to the step) or ``"lean"`` (norms in a first backward pass, sums in a second:
+      :mod:`dpcore.torch._lean`).
     * ``seed``: tests only (the noise becomes predictable: no privacy).
 
     Call ``loss.backward()`` then :meth:`step` for every (micro-)batch; an empty Poisson batch
