@@ -66,8 +66,8 @@ class _OutputTap(torch.autograd.Function):
     then returns the gradients unchanged for the sum pass."""
 
     @staticmethod
-    def forward(ctx: Any, lean: "LeanPasses", *outs: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.lean = lean
+    def forward(ctx: Any, lean: "LeanPasses", token: List[bool], *outs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.lean, ctx.token = lean, token
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*outs)
         res = tuple(o.view_as(o) for o in outs)
@@ -75,8 +75,9 @@ class _OutputTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:  # type: ignore[override]
-        ctx.lean.norm_pass(ctx.saved_tensors, grads)
-        return (None,) + tuple(grads)
+        if ctx.token[0]:  # (a tap that the end of its outermost call did not keep passes its gradients on)
+            ctx.lean.norm_pass(ctx.saved_tensors, grads)
+        return (None, None) + tuple(grads)
 
 
 def _leaves(out: Any, found: List[torch.Tensor]) -> None:
@@ -119,7 +120,9 @@ class LeanPasses:
         self.plan: Optional[Callable[[], List[Optional[torch.Tensor]]]] = None
         self.phase: Optional[str] = None
         self.expected: Dict[int, int] = {}
-        self.depth = 0  # module calls in progress (see install)
+        self.inside: List[bool] = []  # module calls in progress, and whether a tap was made below each
+        self.made: List[List[bool]] = []  # the taps made in the outermost call in progress
+        self.chain: set = set()
         self.task = -1  # the backward pass whose norm pass ran
         self.reset()
 
@@ -153,9 +156,19 @@ class LeanPasses:
     # -- the model's outputs -------------------------------------------------------------
 
     def install(self, model: nn.Module) -> List[Any]:
-        """Hooks on every module of ``model``: the outputs of an outermost call (the model's
-        own, or a submodule called directly, as a LightningModule's ``training_step`` calls
-        ``self.net(x)``) go through the tap."""
+        """Hooks on every module of ``model``, so that the tap goes as deep as it can while every
+        instrumented layer stays below it: on the outputs of the deepest called module that holds
+        all of them (the smallest common ancestor of the rules' modules, or one of its ancestors:
+        a language model's transformer body when only its adapters train, so that the logits'
+        gradient is not held through the norm pass), else of an outermost call (a submodule
+        called directly, as a LightningModule's ``training_step`` calls ``self.net(x)``)."""
+        names = [r.name.split(".") if r.name else [] for r in self.engine.rules]
+        common: List[str] = []
+        for parts in zip(*names) if names else ():
+            if len(set(parts)) != 1:
+                break
+            common.append(parts[0])
+        self.chain = {id(model.get_submodule(".".join(common[:i]))) for i in range(len(common) + 1)}
         hooks: List[Any] = []
         for m in model.modules():
             hooks.append(m.register_forward_pre_hook(self._enter))
@@ -163,17 +176,41 @@ class LeanPasses:
         return hooks
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        self.depth += 1
+        self.inside.append(False)  # whether a tap is made below this call
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> Any:
-        self.depth = max(0, self.depth - 1)
-        if self.depth == 0 and _graph_task() == -1:  # (a recomputation inside a backward pass is not tapped)
-            return self.wrap_outputs(module, args, out)
-        return None
+        below = self.inside.pop() if self.inside else False
+        outermost = not self.inside
+        if _graph_task() != -1:  # a recomputation inside a backward pass (activation checkpointing)
+            return None
+        res = None
+        if not below and (id(module) in self.chain or outermost):
+            res = self.wrap_outputs(out)
+            below = res is not None
+        if not outermost:
+            if below:
+                self.inside[-1] = True
+            return res
+        # The end of an outermost call: one tap below it is the one; several (the deepest module
+        # holding every layer was called twice) would each start a norm pass over part of the
+        # graph, so they pass their gradients on and the outermost outputs get the tap.
+        made, self.made = self.made, []
+        if len(made) == 1:
+            made[0][0] = True
+            return res
+        for t in made:
+            t[0] = False
+        if made:
+            res = self.wrap_outputs(out)
+            if res is not None:
+                self.made[0][0] = True
+                self.made = []
+        return res
 
-    def wrap_outputs(self, module: nn.Module, args: Any, out: Any) -> Any:
-        """The output tensors that require grad of an outermost call go through one
-        :class:`_OutputTap` (one node, so that its backward sees all their gradients at once)."""
+    def wrap_outputs(self, out: Any) -> Any:
+        """The output tensors that require grad of a call go through one :class:`_OutputTap` (one
+        node, so that its backward sees all their gradients at once), whose token says whether it
+        runs the norm pass (set at the end of the outermost call)."""
         e = self.engine
         if not (torch.is_grad_enabled() and e.enabled) or _functorch():
             return None
@@ -182,7 +219,9 @@ class LeanPasses:
         uniq = list({id(t): t for t in found}.values())
         if not uniq:
             return None
-        tapped = _OutputTap.apply(self, *uniq)
+        token = [False]
+        self.made.append(token)
+        tapped = _OutputTap.apply(self, token, *uniq)
         tapped = tapped if isinstance(tapped, tuple) else (tapped,)
         return _replace(out, {id(a): b for a, b in zip(uniq, tapped)})
 
