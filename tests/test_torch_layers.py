@@ -301,22 +301,151 @@ class DeepConvs(nn.Module):
 
 
 def test_deep_convs_through_factored_products():
-    from dpcore.torch._contrib import Factored
+    from dpcore.torch._contrib import ConvFactors
 
     torch.manual_seed(11)
     model = DeepConvs()
     x, y = torch.randn(6, 4, 8, 8), torch.randint(0, 3, (6,))
     opt = check(model, lambda m, i: ce(m(x[i]), y[i]), 6)
     assert "conv" in opt.kinds
-    # the factored path was taken where positions are few (4·4 ≤ the ghost-norm break-even)
+    # the factors with ghost norms where positions are few (4·4, 32 channels: the Grams of the
+    # padded input cost less than materialising)
     eng = PerRecordGradients(model, list(model.parameters()))
     ce(model(x), y).backward()
     kinds = {r.name: {type(c).__name__ for c in r.contributions} for r in eng.rules}
-    assert Factored.__name__ in kinds["dil"] and Factored.__name__ in kinds["refl"]
+    assert ConvFactors.__name__ in kinds["refl"]
     assert kinds["short"] == {"Dense"}  # fan-in 4: materialising is cheaper than the Grams
-    assert kinds["grp"] == {"Dense"}
     eng.clear()
     eng.remove()
+
+
+class StridedGNBlock(nn.Module):
+    """A downsampling ResNet block with GroupNorm (as WRN-16-4 and ResNet-18 with GroupNorm):
+    a 3×3 conv with stride 2, padding 1 and no bias, a dilated grouped conv, a 1×1 stride-2
+    shortcut added back, a 1×1 stride-1 conv, and a conv with a bias, a rectangular kernel and
+    different strides and dilations per axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)  # fan-in 27: unfolded
+        self.n0 = nn.GroupNorm(4, 8)
+        self.c1 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False)
+        self.n1 = nn.GroupNorm(4, 16)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=2, dilation=2, groups=4, bias=False)
+        self.n2 = nn.GroupNorm(4, 16)
+        self.short = nn.Conv2d(8, 16, 1, stride=2, bias=False)
+        self.pw = nn.Conv2d(16, 16, 1, bias=False)
+        self.c3 = nn.Conv2d(16, 12, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.n0(self.stem(x)))
+        y = torch.relu(self.n1(self.c1(h)))
+        y = self.n2(self.c2(y))
+        h = torch.relu(y + self.short(h))
+        h = torch.relu(self.c3(self.pw(h)))
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("ghost", [None, True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_strided_groupnorm_block(ghost, dtype, monkeypatch):
+    """Every conv path (ghost norms of the factors forced, forbidden, or by shape) exact against
+    brute force, in float32 (Grams in float32 with their error bounds) and float64."""
+    from dpcore.torch import _contrib
+    from dpcore.torch._contrib import ConvFactors, ConvFolded
+    from dpcore.torch._rules import ConvRule
+
+    monkeypatch.setattr(ConvRule, "GHOST_NORMS", ghost)
+    # several chunks of records on both paths (6 records: 4 + 2)
+    monkeypatch.setattr(ConvFolded, "CHUNK", 4)
+    monkeypatch.setattr(_contrib, "_GHOST_CHUNK", 1)
+    torch.manual_seed(12)
+    model = StridedGNBlock().to(dtype)
+    x, y = torch.randn(6, 3, 9, 9, dtype=dtype), torch.randint(0, 3, (6,))
+    opt = check(model, lambda m, i: ce(m(x[i]), y[i]), 6)
+    assert opt.kinds >= {"conv", "norm", "linear"}
+    eng = PerRecordGradients(model, list(model.parameters()))
+    ce(model(x), y).backward()
+    kinds = {r.name: {type(c).__name__ for c in r.contributions} for r in eng.rules}
+    if ghost:
+        assert all(ConvFactors.__name__ in kinds[k] for k in ("c1", "c2", "c3"))
+    elif ghost is False:
+        assert all(ConvFactors.__name__ not in v for v in kinds.values())
+        assert all(ConvFolded.__name__ in kinds[k] for k in ("c1", "c2", "c3"))
+    eng.clear()
+    eng.remove()
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+def test_conv_factors_regrouped_and_shared(ghost, monkeypatch):
+    """Microbatches regroup the factors of a conv (materialised per record, then averaged), and
+    a conv applied twice sums its two uses per record before the norm (materialised in float64
+    with the rounding bound of dense())."""
+    from dpcore.queries import GaussianAverageQuery, MicrobatchQuery
+    from dpcore.torch._contrib import ConvFolded
+    from dpcore.torch._rules import ConvRule
+
+    monkeypatch.setattr(ConvRule, "GHOST_NORMS", ghost)
+    monkeypatch.setattr(ConvFolded, "CHUNK", 3)
+    torch.manual_seed(13)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(4, 8, 3, stride=2, padding=1, bias=False)
+            self.same = nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.c(x))
+            h = torch.relu(self.same(torch.relu(self.same(h))))  # one weight, two uses
+            return self.head(h.mean((2, 3)))
+
+    model = Twice()
+    x, y = torch.randn(7, 4, 8, 8), torch.randint(0, 3, (7,))
+    loss_of = lambda m, i: ce(m(x[i]), y[i])  # noqa: E731
+    check(model, loss_of, 7)
+    recs = _per_record(model, loss_of, 7)
+    micro = []
+    for lo in range(0, 7, 3):
+        part = recs[lo:lo + 3]
+        micro.append({k: sum(r[k] for r in part) / len(part) for k in part[0]})
+    clip = sorted(math.sqrt(sum(float((v ** 2).sum()) for v in r.values())) for r in micro)[1]
+    got, opt = _released(model, loss_of, 7, MicrobatchQuery(GaussianAverageQuery(clip, 0.0, 3.0), 3))
+    ref = _clipped_sum(micro, clip)
+    for k in ref:
+        np.testing.assert_allclose(got[k].numpy(), ref[k].numpy() / 3.0, rtol=2e-4, atol=1e-7, err_msg=k)
+    opt.engine.remove()
+
+
+def test_conv_ghost_norms_bound_the_gradient():
+    """The ghost norms of ConvFactors bound each record's exact squared norm from above, and by
+    little, whatever the stride, dilation, padding and groups (float64 reference)."""
+    from dpcore.torch._contrib import ConvFactors
+
+    torch.manual_seed(14)
+    cb = torch.ops.aten.convolution_backward
+    for cin, cout, k, stride, pad, dil, groups, hw in [
+        (8, 6, 3, (2, 2), (1, 1), (1, 1), 1, (9, 9)), (6, 4, 1, (2, 2), (0, 0), (1, 1), 1, (8, 7)),
+        (8, 8, 3, (1, 1), (2, 2), (2, 2), 4, (6, 6)), (4, 6, 3, (3, 2), (1, 0), (1, 2), 2, (10, 11)),
+        (5, 7, 2, (2, 2), (0, 1), (1, 1), 1, (7, 7)),
+    ]:
+        p = nn.Parameter(torch.randn(cout, cin // groups, k, k))
+        a = torch.randn(5, cin, *hw) * torch.logspace(-3, 3, 5).view(5, 1, 1, 1)
+        out = nn.functional.conv2d(a, p.detach(), None, stride, pad, dil, groups)
+        g = torch.randn_like(out)
+        g[2] = -g[2]
+        c = ConvFactors(p, a, g, p.detach(), (stride, pad, dil, groups))
+        sq = c.sq_norms()
+        exact = torch.stack([
+            cb(g[i:i + 1].double(), a[i:i + 1].double(), p.detach().double(), None, list(stride), list(pad), list(dil),
+               False, [0, 0], groups, [False, True, False])[1].pow(2).sum() for i in range(5)])
+        assert (sq >= exact).all()
+        assert (sq <= exact * (1 + 2e-3) + 1e-30).all()  # the float32 rounding bound, in s²
+        # the float64 materialisation and its bound agree
+        per, err = c.dense(0, 5)
+        assert ((per.reshape(5, -1).norm(dim=1) + err) ** 2 >= exact).all()
 
 
 # ----------------------------------------------------------------------------- shared parameters

@@ -86,11 +86,19 @@ def test_lean_trains_as_the_default_mode(case):
     assert ob.ledger.num_releases == oa.ledger.num_releases >= 1
 
 
-def test_lean_holds_one_layer_at_a_time():
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.GroupNorm(4, 16), nn.ReLU(),
+                         nn.Flatten(), nn.LayerNorm(16 * 4 * 4), nn.Linear(16 * 4 * 4, 3))
+
+
+@pytest.mark.parametrize("make,shape", [(_mlp, (7,)), (_cnn, (3, 8, 8))], ids=["mlp", "cnn"])
+def test_lean_holds_one_layer_at_a_time(make, shape):
     """The norm pass takes each parameter's norm as soon as its last contribution arrives: for a
-    chain of Linear layers no more than one contribution is pending at any time, and nothing is
-    held to the step."""
-    model = _mlp()
+    chain of Linear, Conv2d, GroupNorm and LayerNorm layers no contribution stays pending once
+    its layer is done (each rule declares them with expect), and nothing is held to the step."""
+    model = make()
     opt = _dp(model, "lean", clip=1.0, lr=0.1, den=8)
     lean = opt.engine.lean
     most = [0]
@@ -102,11 +110,12 @@ def test_lean_holds_one_layer_at_a_time():
         return r
 
     lean.take = take
-    x, y = _data(8)[:]
+    x, y = torch.randn((8,) + shape), torch.randint(0, 3, (8,))
     nn.functional.cross_entropy(model(x), y).backward()
-    assert most[0] == 0  # a Linear's weight and bias each complete on arrival
+    assert most[0] == 0  # each parameter's contribution completes it on arrival
     assert lean.phase == "sums" and all(not r.contributions for r in opt.engine.rules)
-    assert lean.counts == lean.summed == [1] * 6
+    n = len(opt.engine.params)
+    assert lean.counts == lean.summed == [1] * n
     opt.step()
     assert lean.phase is None and all(a is None for a in lean.acc)
 

@@ -8,7 +8,11 @@ computations"):
   layers, attention projections, recurrent weights). ``a=None`` is a bias: Σ_t g_t.
 * :class:`Rows`: rows ``idx_t`` of the parameter receive g_t (an embedding lookup).
 * :class:`Dense`: the per-record gradients themselves, shape (B, *slice) (the ``torch.func``
-  fallback, conv and normalisation layers, user rules).
+  fallback, normalisation layers, convolutions with few input channels, user rules).
+* :class:`ConvFactors`: a convolution's input and output gradient; ghost norms from Gram
+  matrices of the padded input, the clipped sum as one weight gradient (deep conv layers).
+  :class:`ConvFolded`: the same factors, each record's gradient materialised by chunks of
+  records as a grouped convolution's weight gradient (the other conv layers).
 
 A parameter's per-record gradient is the sum over its uses (shared or tied parameters, a layer
 applied twice), so norms are taken per parameter, over all of its contributions together.
@@ -23,10 +27,12 @@ rounding error, and the clipped sums are formed from the same factors, so the cl
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _U64 = 2.0**-53
@@ -397,6 +403,285 @@ class Dense(Contribution):
         _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
 
 
+#: Elements of the Gram matrices one chunk of records of a :class:`ConvFactors` forms at a time.
+_GHOST_CHUNK = 1 << 22
+
+
+@contextlib.contextmanager
+def _no_tf32(t: torch.Tensor) -> Iterator[None]:
+    """A block in which a cuDNN convolution of ``t`` rounds in float32, not TF32 (cuDNN's
+    default): the clipped sum of :class:`ConvFactors` rounds each product c_i·g·a in the
+    parameter dtype, as the clip margin assumes, while its norm bounds the exact gradient."""
+    cudnn = torch.backends.cudnn
+    if t.device.type != "cuda" or not cudnn.allow_tf32:
+        yield
+        return
+    cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = True
+
+
+class ConvFactors(Contribution):
+    """The weight of a 2-D convolution, held as its factors: each record's input ``a`` (B, C_in,
+    H, W; any padding other than symmetric zeros already applied) and output gradient ``g``
+    (B, C_out, H_out, W_out), with the convolution's ``conf`` = (stride, padding, dilation,
+    groups) and its weight ``w`` (read for its shape only). Record i's gradient is the weight
+    gradient of the convolution of a_i alone: Σ_t g_it a_itᵀ over output positions t, a_it the
+    input patch read at t (im2col), per group of channels.
+
+    * Norms (:meth:`sq_norms`): ghost norms Σ_{t,s}(a_t·a_s)(g_t·g_s) (Li et al. 2022) without
+      unfolding the input: a_t·a_s is the sum over the kernel's taps of the Gram matrix of the
+      zero-padded input's positions (one Gram per residue class of the stride), read as k·k
+      strided views. For the deep layers of a CNN (8×8 or 4×4 positions, many channels) this
+      costs a small fraction of the weight gradient; the rule chooses it by shape.
+    * Clipped sum (:meth:`add_clipped`): Σ_i c_i·g_i is the weight gradient of the batch with
+      each record's output gradient scaled by c_i: one ``convolution_backward``, the cost of
+      the non-private step's weight gradient.
+    """
+
+    __slots__ = ("param", "rows", "a", "g", "w", "conf")
+
+    def __init__(self, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, conf: Any) -> None:
+        self.param, self.rows = param, None
+        self.a, self.g, self.w = a, g, w
+        stride, padding, dilation, groups = conf
+        self.conf = (tuple(int(v) for v in stride), tuple(int(v) for v in padding), tuple(int(v) for v in dilation), int(groups))
+
+    @property
+    def batch(self) -> int:
+        return int(self.g.shape[0])
+
+    def _shape(self) -> Tuple[int, int, int, int, int, int]:
+        """(groups, C_in per group, C_out per group, kh, kw, positions T)."""
+        groups = self.conf[3]
+        kh, kw = int(self.w.shape[2]), int(self.w.shape[3])
+        return groups, int(self.a.shape[1]) // groups, int(self.g.shape[1]) // groups, kh, kw, int(self.g.shape[2] * self.g.shape[3])
+
+    def _unfold(self, x: torch.Tensor) -> torch.Tensor:
+        """The input patches of records ``x``: (n·groups, C_in/groups·kh·kw, T)."""
+        stride, padding, dilation, groups = self.conf
+        cols = F.unfold(x, tuple(self.w.shape[2:]), dilation=dilation, padding=padding, stride=stride)
+        return cols.reshape(x.shape[0] * groups, cols.shape[1] // groups, cols.shape[2])
+
+    def _per(self, lo: int, hi: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Records lo..hi materialised in ``dtype`` (n, *param.shape), and Σ_t ‖a_t‖‖g_t‖ per
+        record in float64 (which bounds each record's gradient norm)."""
+        groups, _, cout_g, _, _, t = self._shape()
+        n = hi - lo
+        cols = self._unfold(self.a[lo:hi].to(dtype))
+        gv = self.g[lo:hi].to(dtype).reshape(n * groups, cout_g, t)
+        per = torch.bmm(gv, cols.transpose(1, 2))
+        s = (torch.linalg.vector_norm(cols, dim=1, dtype=torch.float64) * torch.linalg.vector_norm(gv, dim=1, dtype=torch.float64))
+        return per.reshape((n,) + tuple(self.param.shape)), s.reshape(n, -1).sum(1)
+
+    def as_dense(self) -> "Dense":
+        """The per-record gradients themselves (in the factors' dtype), chunked by records."""
+        b = self.batch
+        per = torch.empty((b,) + tuple(self.param.shape), dtype=self.g.dtype, device=self.g.device)
+        groups, cin_g, cout_g, kh, kw, t = self._shape()
+        chunk = max(1, _GHOST_CHUNK // max(1, groups * (cin_g * kh * kw * (t + cout_g))))
+        for lo in range(0, b, chunk):
+            hi = min(b, lo + chunk)
+            per[lo:hi] = self._per(lo, hi, self.g.dtype)[0]
+        return Dense(self.param, per)
+
+    def regroup(self, weights: torch.Tensor, k: int) -> "Dense":
+        return self.as_dense().regroup(weights, k)
+
+    def group(self, weights: torch.Tensor, grouping: Grouping, memo: Dict[Any, torch.Tensor]) -> "Dense":
+        return self.as_dense().group(weights, grouping, memo)
+
+    def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        per, s = self._per(lo, hi, torch.float64)
+        t = self._shape()[5]
+        return per, 2.0 * (t + 2) * _U64 * s
+
+    def sq_norms(self) -> torch.Tensor:
+        """Upper bounds of ‖Σ_t g_t a_tᵀ‖² per record (float64, (B,)) by ghost norms, with the
+        bounds of :func:`_factored_sq`: float32 Grams (when matmuls round in float32) carry
+        their worst-case rounding error γ_n, other dtypes are computed in float64.
+
+        Entry (t, s) of the input Gram is Σ over the k·k taps (i, j) of the padded input's
+        Gram at positions (σ·t + δ·(i, j), σ·s + δ·(i, j)) (stride σ, dilation δ): positions
+        of one residue class modulo σ, so each class's Gram is formed once (C_in/groups terms
+        per entry), and the k·k taps are added as strided views of it (k·k − 1 more additions;
+        the entry is a dot product of C_in/groups·k·k terms summed in some order, within
+        γ_{C_in/groups + k·k} of the exact one by Higham §3.1). The diagonals of the Grams
+        bound each patch's norm: fl(Σ x²) ≥ (1 − γ_n)·Σ x² for terms of one sign."""
+        a, g = self.a, self.g
+        b = self.batch
+        (sh, sw), (ph, pw), (dh, dw), groups = self.conf
+        _, cin_g, cout_g, kh, kw, t = self._shape()
+        ho, wo = int(g.shape[2]), int(g.shape[3])
+        fast = _exact_matmul(a) and _exact_matmul(g)
+        wdt = a.dtype if fast else torch.float64
+        # the rows and columns of the zero-padded input that the kernel reads
+        hu, wu = sh * (ho - 1) + dh * (kh - 1) + 1, sw * (wo - 1) + dw * (kw - 1) + 1
+        taps = [(dh * i, dw * j) for i in range(kh) for j in range(kw)]
+        classes = sorted({(oi % sh, oj % sw) for oi, oj in taps})
+        sizes = {c: (-(-(hu - c[0]) // sh), -(-(wu - c[1]) // sw)) for c in classes}
+        per_rec = groups * (sum((hh * ww) ** 2 for hh, ww in sizes.values()) + 3 * t * t)
+        chunk = max(1, _GHOST_CHUNK // max(1, per_rec))
+        na, ng = cin_g + kh * kw, cout_g
+        ga_, gg_ = _gamma(na, wdt), _gamma(ng, wdt)
+        ws, ss = [], []
+        for lo in range(0, b, chunk):
+            hi = min(b, lo + chunk)
+            n = hi - lo
+            xi = a[lo:hi].to(wdt)
+            if ph or pw:
+                xi = F.pad(xi, (pw, pw, ph, ph))
+            xi = xi[:, :, :hu, :wu]
+            grams = {}
+            for c in classes:
+                sub = xi[:, :, c[0] :: sh, c[1] :: sw]
+                hh, ww = sub.shape[2], sub.shape[3]
+                sv = sub.reshape(n * groups, cin_g, hh * ww)
+                grams[c] = torch.bmm(sv.transpose(1, 2), sv).view(n * groups, hh, ww, hh, ww)
+            ga: Optional[torch.Tensor] = None
+            for oi, oj in taps:
+                r0, q0 = oi // sh, oj // sw
+                v = grams[(oi % sh, oj % sw)][:, r0 : r0 + ho, q0 : q0 + wo, r0 : r0 + ho, q0 : q0 + wo]
+                ga = v.clone(memory_format=torch.contiguous_format) if ga is None else ga.add_(v)
+            del grams
+            assert ga is not None
+            ga = ga.view(n * groups, t, t)
+            gv = g[lo:hi].to(wdt).reshape(n * groups, cout_g, t)
+            gg = torch.bmm(gv.transpose(1, 2), gv)
+            # upper bounds of ‖a_t‖ and ‖g_t‖ from the computed diagonals
+            an = (ga.diagonal(dim1=1, dim2=2).double() / (1.0 - ga_)).clamp_min(0.0).sqrt()
+            gn = (gg.diagonal(dim1=1, dim2=2).double() / (1.0 - gg_)).clamp_min(0.0).sqrt()
+            ss.append((an * gn).reshape(n, groups * t).sum(1))
+            # each row's t products summed in the Grams' dtype, the rows in float64
+            ws.append(ga.mul_(gg).sum(2).double().reshape(n, groups * t).sum(1))
+            del ga, gg
+        w = torch.cat(ws)
+        # Σ_t ‖a_t‖‖g_t‖ (over every group: Σ_j s_j² ≤ (Σ_j s_j)²), its float64 rounding covered
+        s = torch.cat(ss) * (1.0 + 2.0 * (groups * t + 4) * _U64)
+        if fast:
+            rel = ga_ + gg_ + ga_ * gg_
+            rel = rel + _gamma(t + 1, wdt) * (1.0 + rel)
+        else:
+            rel = 0.0
+        err = (rel * (1.0 + 1e-6) + 2.0 * (na + ng + groups * t * t + 8) * _U64) * s.square()
+        return torch.minimum(w.clamp_min(0.0) + err, s.square())
+
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
+        stride, padding, dilation, groups = self.conf
+        g = self.g.to(acc.dtype)
+        gc = g * c.to(acc.dtype).reshape((-1,) + (1,) * (g.dim() - 1))
+        a = self.a.to(acc.dtype)
+        # only the weight's shape is read (a sharded model's gathered weight may be freed by now)
+        w = torch.empty(tuple(self.w.shape), dtype=acc.dtype, device=a.device)
+        nd = a.dim() - 2
+        with _no_tf32(a):
+            s = torch.ops.aten.convolution_backward(
+                gc, a, w, None, list(stride), list(padding), list(dilation), False, [0] * nd, groups, [False, True, False]
+            )[1]
+        acc.add_(s.to(acc.dtype))
+
+
+class ConvFolded(ConvFactors):
+    """A convolution's weight use whose per-record gradients are materialised, as the weight
+    gradient of a grouped convolution with the records folded into the groups (groups =
+    records·groups, the form of ``torch.nn.utils._expanded_weights``), a chunk of records at a
+    time: chunks of ~8-16 records run faster than the whole batch (oneDNN), and each chunk's
+    gradients stay a moderate buffer, reused by the allocator, where one buffer of the whole
+    batch's (tens of MB) would be mapped afresh every step. The chunks are what the norm and the
+    clipped sum read (as :class:`Dense` reads its tensor): the norms of :meth:`sq_norms` are of
+    exactly the values summed. Any number of spatial dimensions (Conv1d/2d/3d)."""
+
+    __slots__ = ("parts", "spans")
+    #: At most this many records per chunk.
+    CHUNK = 16
+
+    def __init__(self, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, conf: Any) -> None:
+        self.param, self.rows = param, None
+        self.a, self.g, self.w = a, g, w
+        stride, padding, dilation, groups = conf
+        self.conf = (tuple(int(v) for v in stride), tuple(int(v) for v in padding), tuple(int(v) for v in dilation), int(groups))
+        #: The chunks of per-record gradients, once formed; the factors are dropped then.
+        self.parts: Optional[List[torch.Tensor]] = None
+        b = int(g.shape[0])
+        per_rec = a[0].numel() + g[0].numel() + w.numel() if b else 1
+        chunk = min(self.CHUNK, max(1, (1 << 21) // max(1, per_rec)))
+        self.spans = [(lo, min(b, lo + chunk)) for lo in range(0, b, chunk)]
+
+    @property
+    def batch(self) -> int:
+        return self.spans[-1][1] if self.spans else 0
+
+    def _spans(self) -> List[Tuple[int, int]]:
+        return self.spans
+
+    def _keep(self, parts: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Holds the chunks (what the norm and the sum read from now on), not the factors."""
+        self.parts = parts
+        self.a = self.g = None  # type: ignore[assignment]
+        return parts
+
+    def _fold(self, lo: int, hi: int) -> torch.Tensor:
+        stride, padding, dilation, groups = self.conf
+        a, g, w = self.a, self.g, self.w
+        n, nd = hi - lo, a.dim() - 2
+        shape = (n * w.shape[0],) + tuple(w.shape[1:])
+        return torch.ops.aten.convolution_backward(
+            g[lo:hi].reshape((1, n * g.shape[1]) + tuple(g.shape[2:])),
+            a[lo:hi].reshape((1, n * a.shape[1]) + tuple(a.shape[2:])),
+            torch.empty(shape, dtype=g.dtype, device=g.device),
+            None, list(stride), list(padding), list(dilation), False, [0] * nd, n * groups, [False, True, False],
+        )[1].reshape((n,) + tuple(w.shape))
+
+    def _parts(self) -> List[torch.Tensor]:
+        """The chunks, formed once (:meth:`sq_norms`) or again the same way (a lean sum pass)."""
+        if self.parts is None:
+            return [self._fold(lo, hi) for lo, hi in self._spans()]
+        return self.parts
+
+    def sq_norms(self) -> torch.Tensor:
+        parts = self._keep(self._parts())
+        return torch.cat([row_sq(p.reshape(p.shape[0], -1))[0] for p in parts])
+
+    def as_dense(self) -> "Dense":
+        return Dense(self.param, torch.cat(self._parts()))
+
+    def dense(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        # kept: the clipped sum must add exactly the values this norm was taken of
+        parts = self._keep(self._parts())
+        out = []
+        for (a, b), part in zip(self._spans(), parts):
+            if a < hi and lo < b:
+                out.append(part[max(lo, a) - a : min(hi, b) - a])
+        return torch.cat(out).double(), torch.zeros(hi - lo, dtype=torch.float64, device=parts[0].device)
+
+    def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
+        parts = self.parts
+        cw = c.to(acc.dtype)
+        flat = acc.view(1, -1) if acc.is_contiguous() else None
+        for k, (lo, hi) in enumerate(self._spans()):
+            part = parts[k] if parts is not None else self._fold(lo, hi)
+            part = part.to(acc.dtype).reshape(hi - lo, -1)
+            if flat is not None:
+                flat.addmm_(cw[lo:hi].view(1, -1), part)  # Σ_i c_i·g_i of the chunk, added in place
+            else:
+                acc.add_(torch.mm(cw[lo:hi].view(1, -1), part).view(acc.shape))
+
+    def zero_records(self, mask: torch.Tensor, memo: Optional[Dict[int, Any]] = None) -> None:
+        super().zero_records(mask, memo)
+        if self.parts is not None:
+            m = mask.to(self.parts[0].device)
+            self.parts = [
+                p.masked_fill(m[lo:hi].reshape((-1,) + (1,) * (p.dim() - 1)), 0)
+                for p, (lo, hi) in zip(self.parts, self._spans())
+            ]
+
+    def release(self) -> None:
+        super().release()
+        self.parts = None
+
+
 # ----------------------------------------------------------------------------- norms
 
 
@@ -631,6 +916,8 @@ def param_sq_norms(cs: List[Contribution], b: int, cache: Optional[dict] = None)
             r = rs[0] if len(rs) == 1 else Rows(param, torch.cat([c.idx for c in rs], 1), torch.cat([c.g for c in rs], 1))
             total = _plus(total, _tied_sq(r, fs))
             group = [r, *fs]
+        elif len(group) == 1 and isinstance(group[0], ConvFactors):
+            total = _plus(total, group[0].sq_norms())
         elif len(group) == 1 and isinstance(group[0], Dense):
             (s,) = row_sq(group[0].per.reshape(b, -1))
             total = _plus(total, s)

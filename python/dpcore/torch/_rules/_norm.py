@@ -44,7 +44,8 @@ class _GroupNormFn(torch.autograd.Function):
     """GroupNorm with its affine map in one kernel (``native_group_norm``), saving only x and
     the per-(record, group) mean and 1/std for the backward pass (no normalised copy x̂);
     the backward pass returns ∂L/∂x only and hands each record's weight and bias gradients to
-    ``sink`` as torch's own backward forms them: Σ_hw g·x̂ = (Σ_hw g·x − μ·Σ_hw g)·rstd."""
+    ``sink`` as torch's own backward forms them: Σ_hw g·x̂ = (Σ_hw g·x − μ·Σ_hw g)·rstd (by
+    torch's kernel itself, with the records as groups of one record's channels)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], groups: int, eps: float, sink: Callable) -> torch.Tensor:
@@ -62,6 +63,17 @@ class _GroupNormFn(torch.autograd.Function):
         x, w, mean, rstd = ctx.saved_tensors
         n, c, hw, groups = ctx.conf
         g = g.contiguous()
+        if x.is_contiguous():
+            # The batch as one record of n·c channels in n·groups groups (the same groups, each
+            # record's channels one after the other): torch's own backward then forms each
+            # record's Σ_hw g·x̂ and Σ_hw g as its "batch" weight and bias gradients, in the
+            # kernel that forms ∂L/∂x (one pass over g and x, as the non-private step's).
+            gx, gw, gb = torch.ops.aten.native_group_norm_backward(
+                g.view(1, n * c, hw), x.view(1, n * c, hw), mean.reshape(1, n * groups), rstd.reshape(1, n * groups),
+                None if w is None else w.repeat(n), 1, n * c, hw, n * groups, [bool(ctx.needs_input_grad[0]), True, True],
+            )
+            ctx.sink(gw.view(n, c), gb.view(n, c))
+            return (None if gx is None else gx.view(x.shape)), None, None, None, None, None
         gv, xv = g.reshape(n, c, hw), x.reshape(n, c, hw)
         db = gv.sum(2)
         ds = (gv * xv).sum(2)
@@ -157,6 +169,7 @@ class NormRule(LayerRule):
                 self.add(Dense(bp, gb.reshape((b,) + tuple(bp.shape))))
 
         weight, bias = getattr(m, "weight", None), getattr(m, "bias", None)
+        self.expect(wp, bp)
         return _AffineFn.apply(xhat, _frozen(weight, wp), _frozen(bias, bp), view, sink)
 
     def _norm_fused(self, x: torch.Tensor, wp: Any, bp: Any) -> torch.Tensor:
@@ -174,6 +187,7 @@ class NormRule(LayerRule):
                 if bp is not None:
                     self.add(Dense(bp, gb))
 
+            self.expect(wp, bp)
             return _GroupNormFn.apply(x, anchor_w, anchor_b, m.num_groups, m.eps, gsink)
         shape = tuple(m.normalized_shape)
         red = tuple(range(1, x.dim() - len(shape)))
@@ -189,6 +203,7 @@ class NormRule(LayerRule):
                 gb = g.sum(red) if red else g
                 self.add(Dense(bp, gb.reshape((b,) + tuple(bp.shape))))
 
+        self.expect(wp, bp)
         return _LayerNormFn.apply(x, shape, anchor_w, anchor_b, m.eps, lsink)
 
 
@@ -236,6 +251,7 @@ class ScaledRMSNormRule(LayerRule):
                 self.add(Dense(wp, gw.reshape((g.shape[0],) + tuple(wp.shape))))
 
             # the affine map's tap: the weight's own gradient never forms, the sink gets g·x̂
+            self.expect(wp)
             out = _AffineFn.apply(xhat, scale, None, tuple(wp.shape), sink)
         else:
             out = xhat * scale
