@@ -73,6 +73,7 @@ def _train(memory, *, steps=3, users=False, phys=None, nan_row=None, noise=0.7, 
     dict(users=True),                  # the privacy unit is the user
     dict(nan_row=1),                   # a record with a NaN contributes zero
     dict(clipping="per_layer"),
+    dict(noise_mechanism="blt", epochs=2),  # correlated noise over the cyclic order
 ])
 def test_lean_trains_as_the_default_mode(case):
     """Same seed, same noise: the lean mode releases what the default mode releases (the clipped
