@@ -31,7 +31,6 @@ them); one backward pass per step (or per :meth:`DPOptimizer.accumulate`).
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -39,26 +38,13 @@ from torch import nn
 
 from ._amp import work_dtype
 from ._contrib import Contribution, param_sq_norms
-from ._rules._base import _functorch_active as _functorch, _graph_task
+from ._autograd import functorch_active as _functorch, graph_task as _graph_task, retaining
 
-__all__ = ["MEMORY", "LeanPasses", "check_memory", "nonfinite_records", "retaining_graph"]
+__all__ = ["MEMORY", "LeanPasses", "check_memory", "nonfinite_records"]
 
 from .._names import MEMORY, memory as check_memory  # noqa: E402  (one name across the front ends)
 
 _NORMS, _SUMS = "norms", "sums"
-
-
-class _Retaining(threading.local):
-    depth = 0
-
-
-_retaining = _Retaining()
-
-
-def retaining_graph() -> bool:
-    """Whether a lean norm pass is running on this thread: its graph is run again by the sum
-    pass, so a node must not free what it saved (as ``retain_graph=True`` asks of autograd's own)."""
-    return _retaining.depth > 0
 
 
 class _OutputTap(torch.autograd.Function):
@@ -256,12 +242,10 @@ class LeanPasses:
             own = {id(p) for p in e.params}
             leaves = [t for t in _graph_leaves([o for o, _ in pairs]) if id(t) not in own]
             kept = [(t, None if t.grad is None else t.grad.clone()) for t in leaves]
-            _retaining.depth += 1
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), retaining():
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=True)
             finally:
-                _retaining.depth -= 1
                 for t, g in kept:
                     t.grad = g
             for k in list(self.pending):

@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
 from ._amp import amp_cast, amp_dtype
-from ._lean import retaining_graph
+from ._autograd import retaining_graph
 
 __all__ = ["recurrent_forward"]
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .._amp import amp_cast as _amp_cast
+from .._autograd import functorch_active, graph_task
 from .._contrib import Contribution, Dense, Factored, RowRange
 
 
@@ -45,14 +46,8 @@ def batch_records(engine: Any) -> Optional[int]:
     return None if h == 0 else max(h, 0)
 
 
-def _graph_task() -> int:
-    f = getattr(torch._C, "_current_graph_task_id", None)
-    return int(f()) if f is not None else -1
-
-
-def _functorch_active() -> bool:
-    f = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(f()) if f is not None else False
+_graph_task = graph_task
+_functorch_active = functorch_active
 
 
 def _frozen(t: Optional[torch.Tensor], trainable: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
