@@ -117,10 +117,11 @@ def test_two_ranks_train_like_one_process(tmp_path: Path, ddp: str) -> None:
     assert load(tmp_path, 0)["releases"] == load(tmp_path, 1)["releases"] == 5
 
 
-def test_lean_memory_on_two_ranks_trains_like_one_process(tmp_path: Path) -> None:
-    """memory="lean" (two backward passes per micro-batch) under data parallelism, with micro-batches
-    and adaptive clipping: the same updates as one process."""
-    _ok(launch("train", tmp_path, seed=5, steps=4, physical=5, adaptive=1, memory="lean"), tmp_path)
+@pytest.mark.parametrize("ddp", ["0", "1"])
+def test_lean_memory_on_two_ranks_trains_like_one_process(tmp_path: Path, ddp: str) -> None:
+    """memory="lean" (two backward passes per micro-batch) under data parallelism, plain or in
+    DistributedDataParallel, with micro-batches and adaptive clipping: the same updates as one process."""
+    _ok(launch("train", tmp_path, seed=5, steps=4, physical=5, adaptive=1, memory="lean", ddp=ddp), tmp_path)
     _check_matches_one_process(tmp_path, adaptive=True)
 
 
