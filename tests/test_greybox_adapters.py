@@ -191,6 +191,38 @@ def test_torch_release_paths_pass_every_neighbour(path):
             assert r.max_ratio < RTOL.get(path, 1e-6), r
 
 
+def conv2d_model():
+    """Strided Conv2d layers of a downsampling CNN: a first layer of fan-in 9 (the unfolded path)
+    and a stride-2 layer of fan-in 72 (ghost norms of its factors, or the folded convolution)."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(1, 8, 3, padding=1)
+            self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+            self.g = nn.GroupNorm(2, 8)
+            self.h = nn.Linear(16, 3)
+
+        def forward(self, x):
+            z = torch.relu(self.c1(x.reshape(len(x), 1, 2, 4)))
+            return self.h(torch.relu(self.g(self.c2(z))).flatten(1))
+
+    return M()
+
+
+@pytest.mark.parametrize("ghost,memory", [(True, "default"), (False, "default"), (True, "lean")])
+def test_torch_strided_conv_paths_pass_every_neighbour(monkeypatch, ghost, memory):
+    """Both per-record paths of a deep strided convolution (forced), in both memory modes."""
+    from dpcore.torch._rules._conv import ConvRule
+
+    monkeypatch.setattr(ConvRule, "GHOST_NORMS", ghost)
+    res = _check(torch_train(conv2d_model, memory=memory))
+    assert max(r.max_ratio for r in res.runs if r.neighbour in ("add", "remove", "replace", "duplicate")) > 0.05
+    for r in res.runs:
+        if r.neighbour in ("nan", "inf", "-inf"):
+            assert r.max_ratio < 1e-6, r
+
+
 def test_torch_adaptive_clipping_passes():
     from dpcore.queries import QuantileAdaptiveClipQuery
 

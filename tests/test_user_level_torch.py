@@ -386,8 +386,8 @@ def test_user_release_lora_through_peft():
 # ----------------------------------------------------------------------------- grey-box
 
 
-@pytest.mark.parametrize("micro", [None, 6])
-def test_greybox_users_as_neighbours(micro):
+@pytest.mark.parametrize("micro,memory", [(None, "default"), (6, "default"), (None, "lean"), (6, "lean")])
+def test_greybox_users_as_neighbours(micro, memory):
     """The grey-box harness with users as the neighbouring unit: the run on D and on D without
     its largest (or smallest) user release through the same control flow, ledger, denominator
     and noise, and the pre-noise sums differ by at most C."""
@@ -408,7 +408,7 @@ def test_greybox_users_as_neighbours(micro):
             net, opt, loader = make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), data,
                                             noise_multiplier=1.0, max_grad_norm=1.0, seed=seed, ledger=_ledger(),
                                             population_size=12, privacy_unit="user", user_ids=ids,
-                                            examples_per_user=6, max_physical_batch_size=micro)
+                                            examples_per_user=6, max_physical_batch_size=micro, memory=memory)
             loader.steps = 3
             for xb, yb in loader:
                 opt.zero_grad()
