@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 
@@ -80,6 +81,30 @@ def merge_rounds(runs):
     r["peak_mib"] = max(x["peak_mib"] for x in runs)
     r["notes"] = sorted({n for x in runs for n in x.get("notes", [])})
     return r
+
+
+def fill_defaults(args, quick, full):
+    """The options left unset (None) from the ``--quick`` or the full run's defaults."""
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def log(msg):
+    """Progress lines, on stderr (the tables go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_parts(out, parts, args):
+    """A bench's parts in order, each ``(skip, key, run(args, log), table(result, args))``: the
+    result stored in ``out[key]`` and its table printed after a blank line."""
+    for skip, key, run, table in parts:
+        if skip:
+            continue
+        res = run(args, log)
+        out[key] = res
+        print()
+        print(table(res, args))
 
 
 def finish(out, t0, json_path):

@@ -97,7 +97,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from _timing import finish
+from _timing import fill_defaults, finish, run_parts
 
 DELTA = 1e-5
 EPSILONS = (1.0, 4.0, 8.0)
@@ -668,13 +668,8 @@ def main() -> None:
     args = ap.parse_args()
     quick = dict(clients=200, clients_per_round=20, rounds=10, seeds=1, time_rounds=3)
     full = dict(clients=2000, clients_per_round=100, rounds=100, seeds=3, time_rounds=20)
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, quick, full)
     warnings.filterwarnings("ignore")
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     import flwr
 
@@ -686,16 +681,8 @@ def main() -> None:
     print(f"flwr {flwr.__version__ if hasattr(flwr, '__version__') else '?'}, numpy {np.__version__}, load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     out: Dict[str, Any] = {"args": vars(args), "delta": DELTA}
-    if not args.skip_accuracy:
-        acc = run_accuracy(args, log)
-        out["accuracy"] = acc
-        print()
-        print(accuracy_tables(acc, args))
-    if not args.skip_time:
-        st = run_time(args, log)
-        out["time"] = st
-        print()
-        print(time_tables(st, args))
+    run_parts(out, [(args.skip_accuracy, "accuracy", run_accuracy, accuracy_tables),
+                    (args.skip_time, "time", run_time, time_tables)], args)
     finish(out, t0, args.json)
 
 

@@ -92,7 +92,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from _timing import finish
+from _timing import fill_defaults, finish, run_parts
 import torch
 from torch import nn
 
@@ -622,29 +622,15 @@ def main() -> None:
     args = ap.parse_args()
     quick = dict(users=500, test_users=200, seeds=1, epochs=3, rounds=1, steps_per_round=2, warmup=1)
     full = dict(users=2000, test_users=500, seeds=5, epochs=10, rounds=12, steps_per_round=4, warmup=2)
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, quick, full)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     t0 = time.perf_counter()
     print(f"torch {torch.__version__}, step time on {args.device}, {args.threads} threads, load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
     out: Dict[str, Any] = {"args": vars(args), "delta": DELTA}
-    if not args.skip_accuracy:
-        acc = run_accuracy(args, log)
-        out["accuracy"] = acc
-        print()
-        print(accuracy_tables(acc, args))
-    if not args.skip_step:
-        st = step_time(args, log)
-        out["step_time"] = st
-        print()
-        print(step_table(st, args))
+    run_parts(out, [(args.skip_accuracy, "accuracy", run_accuracy, accuracy_tables),
+                    (args.skip_step, "step_time", step_time, step_table)], args)
     finish(out, t0, args.json)
 
 

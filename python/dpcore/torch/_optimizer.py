@@ -415,7 +415,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _lean_prepare(self) -> None:
         # what the step would set before clipping: the loss scale and the batch's users
-        self.engine.loss_scale = float(self._scaler.grad_scaler.get_scale()) if self._scaler.active else 1.0
+        self.engine.loss_scale = self._scaler.loss_scale()
         self.engine.record_groups = LoaderView(self.data_loader).record_groups
 
     def _lean_plan(self) -> List[Optional[torch.Tensor]]:

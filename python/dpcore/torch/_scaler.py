@@ -95,8 +95,12 @@ class GradScaling:
                 "GradScaler.step() was called on a DPOptimizer that does not know the scaler: pass "
                 "grad_scaler=scaler to make_private (or call optimizer.attach_grad_scaler(scaler))"
             )
-        engine.loss_scale = float(self.grad_scaler.get_scale()) if self.active else 1.0
+        engine.loss_scale = self.loss_scale()
         self.tell(optimizer)
+
+    def loss_scale(self) -> float:
+        """The factor the loss was multiplied by before backward (1 without an active scaler)."""
+        return float(self.grad_scaler.get_scale()) if self.active else 1.0
 
     def tell(self, optimizer: Any) -> None:
         """What ``GradScaler.update()`` reads: no overflow, always. The scale so follows the
