@@ -152,8 +152,8 @@ def test_update_equals_numpy_reference_at_zero_noise(clipping, micro):
     idx = src.indices(0)
     assert len(idx) > 6  # several micro-batches when micro=3
     # spy on the per-record gradient pass: micro-batches must really be cut
-    per_record, sizes = dp._per_record_fn(), []
-    object.__setattr__(dp, "_grad_fn", lambda rec: (sizes.append(int(tf.shape(rec["x"])[0])), per_record(rec))[1])
+    begin, sizes = dp._dp_begin, []
+    object.__setattr__(dp, "_dp_begin", lambda data: (lambda b: (sizes.extend(b.sizes), b)[1])(begin(data)))
     dp.fit(src, epochs=1, verbose=0, shuffle=False)
     assert sum(sizes) == len(idx) and max(sizes) == (micro or len(idx))
     assert led.samples[0].seeded and led.samples[0].policy == "poisson"
@@ -311,8 +311,10 @@ def test_misuse_is_refused():
         dp.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(5), verbose=0)
     with pytest.raises(RuntimeError, match="inside fit"):
         dp.train_on_batch(x[:4], y[:4])
-    with pytest.raises(ValueError, match="run_eagerly"):
-        dp.compile(loss=SCE, run_eagerly=False)
+    with pytest.raises(ValueError, match="auto_scale_loss"):
+        dp.compile(loss=SCE, auto_scale_loss=True)
+    with pytest.raises(ValueError, match="LossScaleOptimizer"):
+        dp.compile(loss=SCE, optimizer=tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.SGD(0.1)))
     assert dp.ledger.num_releases == 0
     bn = tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(3)])
     with pytest.raises(TypeError, match="batch statistics"):

@@ -124,8 +124,8 @@ def test_uls_release_equals_brute_force(kind, clipping, micro):
     w0 = weights(m)
     grads = example_grads(m, x, y)
     src = dp.batches(x, y, steps=1, seed=5)
-    sizes, per_record = [], dp._per_record_fn()
-    object.__setattr__(dp, "_grad_fn", lambda rec: (sizes.append(int(tf.shape(rec["x"])[0])), per_record(rec))[1])
+    begin, sizes = dp._dp_begin, []
+    object.__setattr__(dp, "_dp_begin", lambda data: (lambda b: (sizes.extend(b.sizes), b)[1])(begin(data)))
     dp.fit(src, epochs=1, verbose=0)
     # every user sampled, all its examples, user-major
     assert sorted(src.last_users.tolist()) == list(range(7)) and sorted(src.last_indices.tolist()) == list(range(len(y)))
@@ -454,7 +454,7 @@ def test_uls_passes_the_greybox_harness_with_users_as_neighbours(last, clipping,
 def test_greybox_harness_catches_examples_clipped_one_by_one(monkeypatch):
     # A planted bug: the ULS step clips each example instead of each user's mean, so a user of
     # up to k examples moves the sum by up to k·C, not C. The harness must say so.
-    import dpcore.tensorflow._keras as keras_mod
+    import dpcore.keras._model as keras_mod
 
     class PerExample:
         def __init__(self, slots, counts):

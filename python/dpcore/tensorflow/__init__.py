@@ -9,8 +9,9 @@ Keras's own ``fit`` (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018)::
     dp.fit(PoissonBatches(x, y, sampling_probability=q), epochs=5)
     eps = dp.get_epsilon(1e-5)
 
-:class:`DPModel` overrides ``train_step``: per-record gradients come from ``tf.vectorized_map``
-over the batch (one gradient per record, materialised, optionally in micro-batches); the query (a
+:class:`DPModel` is :class:`dpcore.keras.DPModel` (this package is the TensorFlow alias of
+:mod:`dpcore.keras`): per-record gradients come from ``tf.vectorized_map`` under ``tf.function``,
+clipped inside the compiled step (optionally in micro-batches); the query (a
 :class:`dpcore.GaussianAverageQuery` for flat clipping, a :class:`dpcore.NestedQuery` per
 variable for per-layer clipping; McMahan et al. 2018 §2) clips them in the Rust core, adds
 ChaCha20 Gaussian noise, and the release is written durably to the ledger before the optimizer
@@ -35,17 +36,26 @@ import tensorflow as tf
 from ..ledger import PrivacyLedger
 from ..queries.base import DPQuery
 from ..sampling import poisson_sample
-from ._data import (
+import keras as _keras
+
+if _keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        f"dpcore.tensorflow is the TensorFlow backend's front end, but Keras runs on {_keras.backend.backend()!r} "
+        "(KERAS_BACKEND): use dpcore.keras, the same front end for every backend"
+    )
+
+from ..keras import (  # noqa: E402  - the one Keras front end; this package is its TensorFlow alias
     BallsInBinsBatches,
     CyclicBatches,
+    DPModel,
     PoissonBatches,
     RandomAllocationBatches,
     SampledBatches,
     TruncatedPoissonBatches,
     UserPoissonBatches,
+    make_private,
+    make_private_with_epsilon,
 )
-from ._keras import DPModel
-from ._make_private import make_private, make_private_with_epsilon
 
 __all__ = [
     "make_private", "make_private_with_epsilon", "DPModel", "PoissonBatches", "CyclicBatches", "SampledBatches",

@@ -19,7 +19,7 @@ from ..plan import calibrate_noise, steps_for_epochs
 from ._data import sampled_batches
 from .._validate import count, positive as _number
 
-from ._keras import DPModel
+from ._model import DPModel
 from ._mf import _mf_config
 
 __all__ = ["make_private", "make_private_with_epsilon"]

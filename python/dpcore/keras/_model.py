@@ -22,13 +22,14 @@ import inspect
 import math
 import numbers
 import os
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-import tensorflow as tf
+import keras
 
 from .._names import renamed
 from ..ledger import LedgerWarning, PrivacyLedger
@@ -41,16 +42,13 @@ from ._users import bind_users, user_config, user_means
 from ._mf import _mf_config
 from .._validate import positive as _number
 from ..mechanism import check_on_nonfinite
+from . import _backends
+from ._step import ClipSpec, HostRelease, padded
 
 __all__ = ["DPModel", "CLIPPING"]
 
-keras = tf.keras
-
 if not str(getattr(keras, "__version__", "0")).startswith("3."):  # pragma: no cover - legacy Keras 2
-    raise ImportError(
-        f"dpcore.tensorflow's DPModel needs Keras 3 (tf.keras is {getattr(keras, '__version__', '?')}); "
-        "unset TF_USE_LEGACY_KERAS"
-    )
+    raise ImportError(f"dpcore.keras needs Keras 3 (keras is {getattr(keras, '__version__', '?')})")
 
 
 
@@ -99,8 +97,10 @@ class _Spec:
 def _incompatible_layers(model: Any) -> List[str]:
     # Batch statistics mix records inside a batch: one record's gradient then depends on the
     # others, and per-record clipping no longer bounds its contribution.
+    # A frozen one (trainable=False) runs in inference mode in Keras 3, on its moving statistics:
+    # each record's output is its own, so it is allowed.
     flat = model._flatten_layers() if hasattr(model, "_flatten_layers") else []
-    return [l.name for l in flat if isinstance(l, keras.layers.BatchNormalization)]
+    return [l.name for l in flat if isinstance(l, keras.layers.BatchNormalization) and l.trainable]
 
 
 class DPModel(keras.Model):
@@ -371,7 +371,7 @@ class DPModel(keras.Model):
             sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
             joint_scales=joint_scales, noise_mechanism=noise_mechanism, granularity=granularity,
             on_nonfinite=on_nonfinite, _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
-            _global_state=None, _template=None, _grad_fn=None, _mf=mf_cfg,
+            _global_state=None, _template=None, _host=None, _dp_spec=None, _mf=mf_cfg,
             sampler=kind, _drawn=drawn, _accountant=None if kind is None else _adapters.default_accountant(kind),
             privacy_unit="example" if users is None else "user", _users=users,
         ).items():
@@ -385,28 +385,28 @@ class DPModel(keras.Model):
     def call(self, inputs: Any, training: Any = None) -> Any:
         return self.inner(inputs, training=training)
 
-    def compile(self, optimizer: Any = None, loss: Any = None, *, run_eagerly: Optional[bool] = None, **kwargs: Any) -> None:
-        """``keras.Model.compile`` with the DP train step's requirements: eager steps (the
-        core is called from Python), no XLA, no loss scaling (the per-record gradients must be
-        the true ones; a loss-scaling optimizer would rescale the noised sum)."""
-        if run_eagerly is False:
-            raise ValueError("DPModel's train step calls dpcore's core from Python and needs run_eagerly=True")
-        if kwargs.get("jit_compile") is True:
-            raise ValueError("DPModel's train step runs eagerly; jit_compile=True is not possible")
+    def compile(self, optimizer: Any = None, loss: Any = None, **kwargs: Any) -> None:
+        """``keras.Model.compile`` with the DP step's requirements: no loss scaling (the
+        per-record gradients must be the true ones; a loss-scaling optimizer would rescale the
+        noised sum). The DP step is compiled by the backend (``jax.jit``, ``tf.function``,
+        ``torch.func``) whatever ``jit_compile`` says; ``run_eagerly`` applies to evaluate and
+        predict only."""
         if kwargs.get("auto_scale_loss") is True:
             raise ValueError("auto_scale_loss=True would rescale the noised gradient; DPModel needs it off")
-        kwargs.update(jit_compile=False, auto_scale_loss=False)
+        kwargs.update(auto_scale_loss=False)
         optimizer = self._dp_optimizer if optimizer is None else optimizer
         if optimizer is None:
             raise ValueError("no optimizer: give one to compile() or to make_private()")
-        super().compile(optimizer=optimizer, loss=loss, run_eagerly=True, **kwargs)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError("a LossScaleOptimizer would rescale the noised gradient; give its inner optimizer")
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self.train_function = None
         # Trainable flags may have changed: rebuild the per-record pass and the query's template
         # (the Gaussian queries' global state is constant, so nothing is lost). A matrix-
         # factorization stream is not rebuilt once it has released: its noise buffers are its history.
         if self._mf is not None and self._releases:
-            object.__setattr__(self, "_grad_fn", None)
             return
-        for k in ("_grad_fn", "_query", "_global_state", "_template"):
+        for k in ("_query", "_global_state", "_template", "_host", "_dp_spec"):
             object.__setattr__(self, k, None)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -453,7 +453,7 @@ class DPModel(keras.Model):
                         f"expected_batch_size = {self.expected_batch_size} (the fixed denominator must be q·n)"
                     )
                 sampling = _Sampling(x.population_size, x.sampling_probability, "poisson", x.seeded)
-        elif isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or inspect.isgenerator(x) or hasattr(x, "__next__"):
+        elif _is_dataset(x) or inspect.isgenerator(x) or hasattr(x, "__next__"):
             if self.population_size is None:
                 raise TypeError(
                     f"fit() got a {type(x).__name__}, whose sampling dpcore cannot see. Give a dpcore.tensorflow."
@@ -602,7 +602,7 @@ class DPModel(keras.Model):
             return UserPoissonBatches(x, y, sample_weight, user_ids=cfg.users, examples_per_user=cfg.examples_per_user,
                                       sampling_probability=q, seed=seed, **kwargs)
         take = lambda a: a[cfg.kept]  # noqa: E731
-        sub = [None if part is None else tf.nest.map_structure(take, part) for part in (x, y, sample_weight)]
+        sub = [None if part is None else keras.tree.map_structure(take, part) for part in (x, y, sample_weight)]
         out = PoissonBatches(sub[0], sub[1], sub[2], sampling_probability=q, seed=seed, **kwargs)
         out._user_bound = cfg  # made for this model's bound: fit() takes only these
         return out
@@ -706,6 +706,11 @@ class DPModel(keras.Model):
     def _setup(self) -> None:
         if self._query is not None:
             return
+        if not self.built and self.inner.built:
+            self.built = True  # the wrapper has no variables of its own
+        bad = _incompatible_layers(self.inner)
+        if bad:  # a BatchNormalization unfrozen after wrapping
+            raise TypeError(f"layers with batch statistics mix records and break per-record clipping: {bad}")
         variables = self.trainable_variables
         if not variables:
             raise ValueError("the model has no trainable variable (build it first, e.g. with keras.Input)")
@@ -726,119 +731,174 @@ class DPModel(keras.Model):
                 what="trainable variables", on_nonfinite=self.on_nonfinite,
             )
         template = [_Spec(v.shape, v.dtype) for v in variables]
-        object.__setattr__(self, "_query", query)
-        object.__setattr__(self, "_global_state", query.initial_global_state())
-        object.__setattr__(self, "_template", template)
+        host = None
+        if self._mf is None and (self._users is None or not self._users.uls):
+            host = HostRelease(query, [t.shape for t in template])
+            if not host.compiled:
+                host = None
+        if host is not None:
+            spec = host.spec
+        else:
+            # the host path clips in the core; the compiled call only forms per-record gradients
+            spec = ClipSpec([list(range(m))], [[1.0] * m], [t.shape for t in template])
+        for k, v in dict(_query=query, _global_state=query.initial_global_state(), _template=template, _host=host,
+                         _dp_spec=spec).items():
+            object.__setattr__(self, k, v)
 
-    def _per_record_fn(self) -> Any:
-        if self._grad_fn is None:
-            variables = self.trainable_variables
+    def make_train_function(self, force: bool = False) -> Any:
+        """The DP step of this Keras backend (``_backends``), in the form its ``fit`` calls."""
+        if getattr(self, "train_function", None) is not None and not force:
+            return self.train_function
+        self._setup()
+        fn = _backends.backend_module().make_train_function(self)
+        self.train_function = fn
+        return fn
 
-            def one(rec: Any) -> Any:
-                one_rec = tf.nest.map_structure(lambda t: t[None], rec)
-                x, y, sw = one_rec.get("x"), one_rec.get("y"), one_rec.get("sw")
-                with tf.GradientTape() as tape:
-                    y_pred = self(x, training=True)
-                    # The compiled loss (and the model's own losses) on a batch of one record:
-                    # the per-record loss whatever its reduction.
-                    loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True)
-                grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                return loss, tf.nest.map_structure(lambda t: t[0], y_pred), grads
+    # -- the host's part of a step (called by the backend's train function) --------------
 
-            # Compiled once for a free batch axis: Poisson batches vary in size.
-            fn = tf.function(lambda rec: tf.vectorized_map(one, rec), reduce_retracing=True)
-            object.__setattr__(self, "_grad_fn", fn)
-        return self._grad_fn
-
-    def train_step(self, data: Any) -> Any:
-        """One DP-SGD step (Abadi et al. 2016, Algorithm 1; McMahan et al. 2018, §1–§3, §6).
-
-        1. per-record gradients g_i of the per-record loss, in micro-batches of at most
-           ``max_physical_batch_size`` records;
-        2. each g_i clipped by the core to C (flat) or per variable (per-layer), summed in
-           float64 (the query's ``accumulate_records``); a g_i with a NaN or ±∞ value adds zero
-           (``on_nonfinite="zero"``), or raises ``ValueError`` here, before the ledger or the
-           weights are touched (``"raise"``, debugging only);
-        3. the sample recorded (``record_sample``), ChaCha20 Gaussian noise of stddev σ̃ = z·C
-           added by the core and the sum divided by q·n (``get_noised_result``); an empty batch
-           releases pure noise;
-        4. the release written durably (``record_release``), then the optimizer's update.
-        """
+    def _dp_begin(self, data: Any) -> "_Batch":
+        """The step's batch: drawn by the sampler where it draws in the step, as numpy, cut into
+        micro-batches of at most ``max_physical_batch_size`` records, each padded to a multiple of
+        :data:`~dpcore.keras._step.PAD` records with its mask of real records."""
         sampling = self._sampling
         if sampling is None:
             raise RuntimeError(
-                "DPModel.train_step runs inside fit() only, where the batches' sampling is known: use "
+                "DPModel's train step runs inside fit() only, where the batches' sampling is known: use "
                 "fit(PoissonBatches(...)) (or dpcore.tensorflow.CustomLoopTrainer for a hand-written loop)"
             )
         self._setup()
         if sampling.source is not None:
             # Drawn now, right before the release, and recorded in the ledger by the sampler
             # (Keras's ``data`` holds the record structure only: see SampledBatches); user-level
-            # batches are recorded below, with their bound.
+            # batches are recorded at the release, with their bound.
             data = sampling.source.draw()
         means = None
         if isinstance(sampling.source, UserPoissonBatches):
             # ULS: the examples are user-major; each user's mean gradient is one record
             means = user_means(sampling.source.last_slots, sampling.source.last_counts)
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-        rec = {"x": x}
-        if y is not None:
-            rec["y"] = y
-        if sw is not None:
-            rec["sw"] = sw
-        b = int(tf.shape(tf.nest.flatten(x)[0])[0])
-        q, gs, variables = self._query, self._global_state, self.trainable_variables
+        tonp = lambda t: None if t is None else keras.tree.map_structure(_to_numpy, t)  # noqa: E731
+        x, y, sw = tonp(x), tonp(y), tonp(sw)
+        b = int(np.shape(keras.tree.flatten(x)[0])[0])
+        chunk = self.max_physical_batch_size or max(b, 1)
+        chunks, sizes = [], []
+        for start in range(0, max(b, 1), chunk):
+            part = [None if t is None else keras.tree.map_structure(lambda a: a[start : start + chunk], t) for t in (x, y, sw)]
+            n = max(0, min(chunk, b - start))
+            mask = None
+            for j, t in enumerate(part):
+                if t is not None:
+                    part[j], mask = padded(t, n, keras.tree)
+            chunks.append((part[0], part[1], part[2], mask))
+            sizes.append(n)
+        return _Batch(chunks=chunks, sizes=sizes, b=b, compiled=self._host is not None, means=means)
+
+    def _dp_clip_args(self) -> Any:
+        return self._host.clip_args()
+
+    def _record_sample(self) -> None:
+        sampling = self._sampling
+        if not sampling.records_itself:
+            return
+        rounds: Dict[str, Any] = {}
+        if sampling.epoch_steps is not None:
+            at = getattr(self, "_epoch_at", None)  # (round, batch index) of the last batch
+            at = (self.ledger.next_round, 0) if at is None else (at[0], at[1] + 1)
+            object.__setattr__(self, "_epoch_at", at)
+            rounds = dict(round=at[0], step_in_round=at[1], round_steps=sampling.epoch_steps, round_selected=1)
+        if sampling.user_bounds is not None:
+            rounds.update(sampling.user_bounds)  # examples_per_user=k (ULS) or max_examples_per_user=K (ELS)
+        self.ledger.record_sample(
+            sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
+            sample_size=sampling.sample_size, **rounds,
+        )
+
+    def _dp_release(self, batch: "_Batch", sq_norms: List[Any], bad: List[Any], sums: Any) -> Any:
+        """The compiled path's release (McMahan et al. 2018, §1 step 3 and §6): the sample and the
+        release written to the ledger, and ``(noise, None)``: the noise of the clipped sums (one
+        float32 array per variable, already divided by the denominator), or ``(None, values)``
+        under the grey-box harness (see :meth:`HostRelease.release`). ``on_nonfinite="raise"`` first looks at
+        which records were not finite (a debugging aid: it reads the data); the default never
+        does, and adaptive clipping's count is the only thing read from the norms."""
+        host = self._host
+        norms = None
+        if self.on_nonfinite == "raise" or host.needs_norms:
+            flags = np.concatenate([np.asarray(f)[:n] for f, n in zip(bad, batch.sizes)])
+            if self.on_nonfinite == "raise" and flags.any():
+                host.forget()
+                raise ValueError(
+                    f"record {int(np.flatnonzero(flags)[0])} of the batch has a non-finite (NaN or infinite) per-record "
+                    "gradient; nothing was released (on_nonfinite='raise': a debugging aid whose outcome depends on the "
+                    "data, not DP; the default on_nonfinite='zero' gives such a record a zero contribution)"
+                )
+            if host.needs_norms:
+                sq = np.concatenate([np.asarray(s, np.float64)[:, :n] for s, n in zip(sq_norms, batch.sizes)], axis=1)
+                sq[:, flags] = np.inf
+                norms = sq
+        self._record_sample()
+        out = host.release(self.ledger, self._releases, norms, sums, seed=derive_seed(self._seed, self._releases))
+        object.__setattr__(self, "_releases", self._releases + 1)
+        return out
+
+    def _dp_host_release(self, batch: "_Batch", records: List[List[Any]]) -> List[np.ndarray]:
+        """The host path's release: the query clips the per-record gradients in the core (or the
+        means of each user's, for user-level sampling), noises their sum and the ledger records it."""
+        q, gs = self._query, self._global_state
         params = q.derive_sample_params(gs)
         state = q.initial_sample_state(self._template)
-        chunk = self.max_physical_batch_size or max(b, 1)
-        losses, preds = [], []
-        for start in range(0, b, chunk):
-            part = tf.nest.map_structure(lambda t: t[start : start + chunk], rec)
-            loss, y_pred, grads = self._per_record_fn()(part)
-            # Flat: one group of all variables, clipped jointly; per-layer: one leaf per variable.
-            if means is None:
-                records = [np.asarray(g) for g in grads]
+        start = 0
+        for grads, n in zip(records, batch.sizes):
+            arrays = [np.asarray(g)[:n] for g in grads]
+            if batch.means is None:
+                recs = arrays
             else:
                 # the users complete by the end of this micro-batch: the mean of each user's
                 # per-example gradients (a user cut by the micro-batch is carried over)
-                records = means.add(start, grads, [t.dtype for t in self._template])
-            if records is not None:
-                state = q.accumulate_records(params, state, records)  # core clip; NaN/inf records add zero
-            losses.append(loss)
-            preds.append(y_pred)
-        if sampling.records_itself:
-            rounds: Dict[str, Any] = {}
-            if sampling.epoch_steps is not None:
-                at = getattr(self, "_epoch_at", None)  # (round, batch index) of the last batch
-                at = (self.ledger.next_round, 0) if at is None else (at[0], at[1] + 1)
-                object.__setattr__(self, "_epoch_at", at)
-                rounds = dict(round=at[0], step_in_round=at[1], round_steps=sampling.epoch_steps, round_selected=1)
-            if sampling.user_bounds is not None:
-                rounds.update(sampling.user_bounds)  # examples_per_user=k (ULS) or max_examples_per_user=K (ELS)
-            self.ledger.record_sample(
-                sampling.population_size, sampling.sampling_probability, sampling.policy, seeded=sampling.seeded,
-                sample_size=sampling.sample_size, **rounds,
-            )
+                recs = batch.means.add(start, arrays, [t.dtype for t in self._template]) if n else None
+            if recs is not None and n:
+                state = q.accumulate_records(params, state, recs)  # core clip; NaN/inf records add zero
+            start += n
+        self._record_sample()
         result, new_gs, event = q.get_noised_result(state, gs, seed=derive_seed(self._seed, self._releases))
         self.ledger.record_release(event)  # durable before the update (McMahan et al. 2018, §6)
         object.__setattr__(self, "_global_state", new_gs)
         object.__setattr__(self, "_releases", self._releases + 1)
-        self.optimizer.apply_gradients(
-            zip([tf.convert_to_tensor(r, dtype=v.dtype) for r, v in zip(result, variables)], variables)
+        return [np.asarray(r, dtype=t.dtype) for r, t in zip(result, self._template)]
+
+    def train_step(self, *args: Any) -> Any:
+        raise RuntimeError(
+            "DPModel's train step runs inside fit() only, where the batches' sampling is known: use "
+            "fit(PoissonBatches(...)) (or dpcore.tensorflow.CustomLoopTrainer for a hand-written loop)"
         )
-        if b == 0:
-            # Nothing to add to the loss; metrics see an empty update (which also builds them
-            # when the very first batch is empty).
-            return self.compute_metrics(x, y, self(x, training=False), sample_weight=sw)
-        loss = tf.concat(losses, 0)
-        y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *preds)
-        if self._loss_tracker is not None:
-            self._loss_tracker.update_state(tf.reduce_mean(loss), sample_weight=b)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+
+@dataclass
+class _Batch:
+    """A step's batch as the backends take it: padded micro-batches (x, y, sw, mask) and the
+    number of real records in each."""
+
+    chunks: List[Any]
+    sizes: List[int]
+    b: int
+    compiled: bool
+    means: Any = None
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    if hasattr(t, "detach"):  # a torch tensor
+        t = t.detach().cpu()
+    return np.asarray(t)
 
 
 def _num_records(x: Any) -> int:
-    leaves = tf.nest.flatten(x)
+    leaves = keras.tree.flatten(x)
     if not leaves or any(np.ndim(a) < 1 for a in leaves):
         raise TypeError(f"fit() got {type(x).__name__}, which is neither PoissonBatches nor arrays with a record axis")
     return int(np.shape(leaves[0])[0])
+
+
+def _is_dataset(x: Any) -> bool:
+    if isinstance(x, keras.utils.PyDataset):
+        return True
+    tf = sys.modules.get("tensorflow")  # a tf.data pipeline exists only where TensorFlow was imported
+    return tf is not None and hasattr(tf, "data") and isinstance(x, tf.data.Dataset)

@@ -19,7 +19,7 @@ import numbers
 from typing import Any, Optional
 
 import numpy as np
-import tensorflow as tf
+import keras
 
 from .._attrs import readonly
 from .._validate import real as _real
@@ -34,7 +34,7 @@ __all__ = [
 
 
 def _leading(name: str, tree: Any) -> int:
-    leaves = tf.nest.flatten(tree)
+    leaves = keras.tree.flatten(tree)
     if not leaves:
         raise ValueError(f"{name} holds no array")
     sizes = set()
@@ -49,9 +49,9 @@ def _leading(name: str, tree: Any) -> int:
 
 def _records(x: Any, y: Any, sample_weight: Any) -> Any:
     """(x, y, sample_weight) as numpy nests with one leading record axis, and the record count."""
-    x = tf.nest.map_structure(np.asarray, x)
-    y = None if y is None else tf.nest.map_structure(np.asarray, y)
-    sw = None if sample_weight is None else tf.nest.map_structure(np.asarray, sample_weight)
+    x = keras.tree.map_structure(np.asarray, x)
+    y = None if y is None else keras.tree.map_structure(np.asarray, y)
+    sw = None if sample_weight is None else keras.tree.map_structure(np.asarray, sample_weight)
     n = _leading("x", x)
     for name, part in (("y", y), ("sample_weight", sw)):
         if part is not None and _leading(name, part) != n:
@@ -80,7 +80,7 @@ def _rate_and_steps(n: int, sampling_probability: Any, expected_batch_size: Any,
     return q, int(steps)
 
 
-class PoissonBatches(tf.keras.utils.PyDataset):
+class PoissonBatches(keras.utils.PyDataset):
     """``steps`` Poisson samples per epoch of ``(x, y[, sample_weight])`` at rate q.
 
     * ``x``, ``y``, ``sample_weight``: arrays (or dicts/lists of arrays) with n records each.
@@ -136,15 +136,15 @@ class PoissonBatches(tf.keras.utils.PyDataset):
     def __getitem__(self, index: int) -> Any:
         idx = self.indices(index)
         take = lambda a: a[idx]  # noqa: E731
-        out = [tf.nest.map_structure(take, self._x)]
+        out = [keras.tree.map_structure(take, self._x)]
         if self._y is not None or self._sw is not None:
-            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+            out.append(None if self._y is None else keras.tree.map_structure(take, self._y))
         if self._sw is not None:
-            out.append(tf.nest.map_structure(take, self._sw))
+            out.append(keras.tree.map_structure(take, self._sw))
         return tuple(out)
 
 
-class UserPoissonBatches(tf.keras.utils.PyDataset):
+class UserPoissonBatches(keras.utils.PyDataset):
     """User-level Poisson batches (ULS) of ``(x, y[, sample_weight])`` for a
     :class:`~dpcore.tensorflow.DPModel` made with ``privacy_unit="user"`` and ``examples_per_user``
     (:meth:`DPModel.batches <dpcore.tensorflow.DPModel.batches>` builds the one a model needs).
@@ -252,11 +252,11 @@ class UserPoissonBatches(tf.keras.utils.PyDataset):
 
     def _take(self, idx: Any) -> Any:
         take = lambda a: a[idx]  # noqa: E731
-        out = [tf.nest.map_structure(take, self._x)]
+        out = [keras.tree.map_structure(take, self._x)]
         if self._y is not None or self._sw is not None:
-            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+            out.append(None if self._y is None else keras.tree.map_structure(take, self._y))
         if self._sw is not None:
-            out.append(tf.nest.map_structure(take, self._sw))
+            out.append(keras.tree.map_structure(take, self._sw))
         return tuple(out)
 
     def __getitem__(self, index: int) -> Any:
@@ -270,7 +270,7 @@ class UserPoissonBatches(tf.keras.utils.PyDataset):
         return self._take(np.zeros(0, np.int64))  # the record structure only: see the class
 
 
-class CyclicBatches(tf.keras.utils.PyDataset):
+class CyclicBatches(keras.utils.PyDataset):
     """Cyclic batches of ``(x, y[, sample_weight])`` for matrix-factorization noise
     (``DPModel(noise_mechanism=...)``): batch i of every epoch is batch (group) i of a partition
     cut once from a ChaCha20 shuffle (:class:`dpcore.sampling.CyclicBatches`; keyed from the
@@ -373,15 +373,15 @@ class CyclicBatches(tf.keras.utils.PyDataset):
     def __getitem__(self, index: int) -> Any:
         idx = self.indices(index)
         take = lambda a: a[idx]  # noqa: E731
-        out = [tf.nest.map_structure(take, self._x)]
+        out = [keras.tree.map_structure(take, self._x)]
         if self._y is not None or self._sw is not None:
-            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+            out.append(None if self._y is None else keras.tree.map_structure(take, self._y))
         if self._sw is not None:
-            out.append(tf.nest.map_structure(take, self._sw))
+            out.append(keras.tree.map_structure(take, self._sw))
         return tuple(out)
 
 
-class SampledBatches(tf.keras.utils.PyDataset):
+class SampledBatches(keras.utils.PyDataset):
     """The batches of a :mod:`dpcore.sampling` sampler over ``(x, y[, sample_weight])``, for
     :meth:`DPModel.fit <dpcore.tensorflow.DPModel.fit>` only: :class:`TruncatedPoissonBatches`,
     :class:`BallsInBinsBatches`, :class:`RandomAllocationBatches` (or
@@ -496,11 +496,11 @@ class SampledBatches(tf.keras.utils.PyDataset):
 
     def _take(self, idx: Any) -> Any:
         take = lambda a: a[idx]  # noqa: E731
-        out = [tf.nest.map_structure(take, self._x)]
+        out = [keras.tree.map_structure(take, self._x)]
         if self._y is not None or self._sw is not None:
-            out.append(None if self._y is None else tf.nest.map_structure(take, self._y))
+            out.append(None if self._y is None else keras.tree.map_structure(take, self._y))
         if self._sw is not None:
-            out.append(tf.nest.map_structure(take, self._sw))
+            out.append(keras.tree.map_structure(take, self._sw))
         return tuple(out)
 
     def draw(self) -> Any:

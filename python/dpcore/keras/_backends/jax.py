@@ -1,0 +1,102 @@
+"""The JAX backend of :class:`dpcore.keras.DPModel`: per-record gradients by ``jax.vmap`` of
+``jax.value_and_grad`` of the per-record loss (Abadi et al. 2016, Algorithm 1), clipped and summed
+inside one ``jax.jit`` call; the noised update in another (``optimizer.stateless_apply``).
+
+The Keras JAX trainer keeps the model's state out of its variables during ``fit`` and passes it
+to the train function; this one takes and returns that state as the trainer's own does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src import backend as kbackend
+
+from .._step import clipped_sums
+from ._common import loss_of_one, update_metrics
+
+__all__ = ["make_train_function"]
+
+
+def _per_record(model: Any) -> Any:
+    f = loss_of_one(model)
+
+    def grads(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any) -> Any:
+        def g(xi: Any, yi: Any, swi: Any) -> Any:
+            one = lambda t: None if t is None else jnp.expand_dims(t, 0)  # noqa: E731
+            return jax.value_and_grad(f, has_aux=True)(
+                tv, ntv, mv, jax.tree.map(one, xi), jax.tree.map(one, yi), jax.tree.map(one, swi)
+            )
+
+        (loss, (y_pred, ntv2)), gs = jax.vmap(g)(x, y, sw)
+        y_pred = jax.tree.map(lambda t: t[:, 0], y_pred)
+        # the non-trainable state (seed generators) as one record's forward left it
+        ntv2 = [v[0] for v in ntv2]
+        return loss, y_pred, gs, ntv2
+
+    return grads
+
+
+def _metrics(model: Any, mv: Any, losses: Any, x: Any, y: Any, y_pred: Any, sw: Any, mask: Any) -> Any:
+    with kbackend.StatelessScope(state_mapping=list(zip(model.metrics_variables, mv))) as scope:
+        logs = update_metrics(model, losses, x, y, y_pred, sw, mask)
+    new = []
+    for v, old in zip(model.metrics_variables, mv):
+        cur = scope.get_current_value(v)
+        new.append(old if cur is None else cur)
+    return logs, new
+
+
+def make_train_function(model: Any) -> Any:
+    per_record = _per_record(model)
+    spec = model._dp_spec
+
+    @jax.jit
+    def clip(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any, mask: Any, clips: Any, inv_dens: Any) -> Any:
+        loss, y_pred, gs, ntv2 = per_record(tv, ntv, mv, x, y, sw)
+        sums, sq, bad = clipped_sums(keras.ops, gs, mask, spec, clips, inv_dens)
+        logs, mv2 = _metrics(model, mv, loss, x, y, y_pred, sw, mask)
+        return sums, sq, bad, ntv2, mv2, logs
+
+    @jax.jit
+    def records(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any, mask: Any) -> Any:
+        loss, y_pred, gs, ntv2 = per_record(tv, ntv, mv, x, y, sw)
+        logs, mv2 = _metrics(model, mv, loss, x, y, y_pred, sw, mask)
+        return gs, ntv2, mv2, logs
+
+    def _apply(tv: Any, ov: Any, grads: List[Any]) -> Any:
+        grads = [g.astype(v.dtype) for g, v in zip(grads, tv)]
+        return model.optimizer.stateless_apply(ov, grads, tv)
+
+    apply_noised = jax.jit(lambda tv, ov, sums, noise: _apply(tv, ov, [s + z for s, z in zip(sums, noise)]),
+                           donate_argnums=(0, 1))
+    apply = jax.jit(_apply, donate_argnums=(0, 1))
+    add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)])
+
+    def train_function(state: Any, iterator: Any) -> Any:
+        tv, ntv, ov, mv = state
+        batch = model._dp_begin(next(iterator))
+        logs = None
+        if batch.compiled:
+            clips, inv_dens = model._dp_clip_args()
+            sums, sqs, bads = None, [], []
+            for x, y, sw, mask in batch.chunks:
+                s, sq, bad, ntv, mv, logs = clip(tv, ntv, mv, x, y, sw, mask, clips, inv_dens)
+                sums = s if sums is None else add(sums, s)
+                sqs.append(sq)
+                bads.append(bad)
+            noise, values = model._dp_release(batch, sqs, bads, sums)  # the ledger, before the update
+            tv, ov = apply_noised(tv, ov, sums, noise) if values is None else apply(tv, ov, values)
+        else:
+            recs = []
+            for x, y, sw, mask in batch.chunks:
+                gs, ntv, mv, logs = records(tv, ntv, mv, x, y, sw, mask)
+                recs.append(gs)
+            result = model._dp_host_release(batch, recs)
+            tv, ov = apply(tv, ov, result)
+        return logs, (tv, ntv, ov, mv)
+
+    return train_function
