@@ -178,11 +178,11 @@ def test_empty_poisson_batch_releases_pure_noise():
     w0, b0 = [v.numpy().copy() for v in m.trainable_variables]
     dp.fit(src, epochs=1, verbose=0)
     assert led.num_releases == 1 and led.samples[0].policy == "poisson"
-    # exactly the core's noise for release 0: N(0, (z·C)²) / (q·n), nothing from the data
-    query = dpcore.GaussianAverageQuery(0.5, 1.0, 20 * q)
-    tmpl = [np.zeros_like(w0), np.zeros_like(b0)]
-    noise, _, _ = query.get_noised_result(query.initial_sample_state(tmpl), query.initial_global_state(),
-                                          seed=derive_seed(5, 0))
+    # exactly the core's noise for release 0: N(0, (z·C/(q·n))²), variable j's stream seeded by
+    # derive_seed(derive_seed(seed, release), group, j), nothing from the data
+    sd = 2.0 * 0.5 / (20 * q)
+    noise = [dpcore.mechanism.gaussian_noise(a.shape, sd, dtype=np.float32, seed=derive_seed(derive_seed(5, 0), 0, j))
+             for j, a in enumerate((w0, b0))]
     w1, b1 = [v.numpy() for v in m.trainable_variables]
     assert np.abs(w0 - w1).max() > 0.1
     np.testing.assert_allclose(w0 - w1, noise[0], rtol=1e-5, atol=1e-6)

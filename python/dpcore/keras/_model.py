@@ -371,7 +371,7 @@ class DPModel(keras.Model):
             sampling_probability=q, ledger=ledger, clipping=clipping, max_physical_batch_size=mpb,
             joint_scales=joint_scales, noise_mechanism=noise_mechanism, granularity=granularity,
             on_nonfinite=on_nonfinite, _dp_optimizer=optimizer, _seed=seed, _releases=0, _sampling=None, _query=None,
-            _global_state=None, _template=None, _host=None, _dp_spec=None, _mf=mf_cfg,
+            _global_state=None, _template=None, _host=None, _dp_spec=None, _dp_ghost=True, _mf=mf_cfg,
             sampler=kind, _drawn=drawn, _accountant=None if kind is None else _adapters.default_accountant(kind),
             privacy_unit="example" if users is None else "user", _users=users,
         ).items():

@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import _core, _trace
 from .._seeds import derive_seed
-from ..mechanism import _seed
+from ..mechanism import gaussian_noise
 from ..queries import MicrobatchQuery, NestedQuery
 from ..queries.events import ComposedQueryEvent
 
@@ -99,7 +99,8 @@ def _sq_norms(ops: Any, g: Any) -> Any:
     return ops.sum(ops.sum(ops.reshape(sq, (b, k, BLOCK)), axis=2), axis=1)
 
 
-def clipped_sums(ops: Any, grads: Sequence[Any], mask: Any, spec: ClipSpec, clips: Any, inv_dens: Any) -> Tuple[List[Any], Any, Any]:
+def clipped_sums(ops: Any, grads: Sequence[Any], mask: Any, spec: ClipSpec, clips: Any, inv_dens: Any,
+                 ghost_sq: Optional[dict] = None, ghost_sum: Any = None) -> Tuple[List[Any], Any, Any]:
     """Σ_i c_i·g_i per variable, with c_i = min(1, C_G/(‖g_i‖_G·(1+margin_G)))·mask_i/den_G
     (McMahan et al. 2018, §1 step 2 and §2: the norm of a group is over its variables, each
     divided by its joint scale α_j), c_i = 0 for a record whose gradient is NaN or ±∞ anywhere
@@ -107,17 +108,23 @@ def clipped_sums(ops: Any, grads: Sequence[Any], mask: Any, spec: ClipSpec, clip
 
     ``ops`` is ``keras.ops``; ``grads`` the per-record gradients (B, *shape); ``mask`` (B,) is
     1 for a record and 0 for padding; ``clips`` and ``inv_dens`` (G,) float32 tensors. Returns
-    the sums (float32, like the variables), the squared norms (G, B) and the non-finite flags (B,)."""
+    the sums (float32, like the variables), the squared norms (G, B) and the non-finite flags (B,).
+
+    Variables whose gradient is None in ``grads`` have ghost norms (``_ghost``): their squared
+    norms are ``ghost_sq[k]`` and their sums ``ghost_sum(factors, bad)[k]``, given each
+    variable's factors (B,)."""
     sq: List[Any] = [None] * spec.num_groups
     bad = None
-    for g, gi, s in zip(grads, spec.group_of, spec.inv_sq_scale):
-        n2 = _sq_norms(ops, g)
+    for k, (g, gi, s) in enumerate(zip(grads, spec.group_of, spec.inv_sq_scale)):
+        n2 = _sq_norms(ops, g) if g is not None else ghost_sq.get(k)
+        if n2 is None:  # a ghost variable the forward did not use: gradient 0
+            continue
         if s != 1.0:
             n2 = n2 * s
         sq[gi] = n2 if sq[gi] is None else sq[gi] + n2
     norms = []
     for gi in range(spec.num_groups):
-        n2 = sq[gi]
+        n2 = sq[gi] if sq[gi] is not None else ops.zeros_like(mask)
         fin = ops.isfinite(n2)
         bad = ops.logical_not(fin) if bad is None else ops.logical_or(bad, ops.logical_not(fin))
         norms.append(n2)
@@ -131,8 +138,14 @@ def clipped_sums(ops: Any, grads: Sequence[Any], mask: Any, spec: ClipSpec, clip
         floor = MIN_FACTOR * ops.maximum(1.0, 1.0 / inv_dens[gi])
         c = ops.where(ops.logical_or(bad, c < floor), ops.zeros_like(c), c)
         factors.append(c * mask * inv_dens[gi])
+    ghosts = None
+    if ghost_sum is not None:
+        ghosts = ghost_sum({k: factors[gi] for k, (g, gi) in enumerate(zip(grads, spec.group_of)) if g is None}, bad)
     sums = []
-    for g, gi in zip(grads, spec.group_of):
+    for k, (g, gi) in enumerate(zip(grads, spec.group_of)):
+        if g is None:
+            sums.append(ghosts[k])
+            continue
         g32 = ops.cast(g, "float32")
         # 0·NaN is NaN: a non-finite record's values are zeroed, not only its factor
         g32 = ops.where(ops.reshape(bad, (-1,) + (1,) * (len(ops.shape(g)) - 1)), ops.zeros_like(g32), g32)
@@ -214,10 +227,10 @@ class HostRelease:
     def release(self, ledger: Any, step: int, sq_norms: Optional[np.ndarray] = None, sums: Any = None,
                 seed: Optional[int] = None) -> Tuple[Optional[List[np.ndarray]], Optional[List[np.ndarray]]]:
         """Writes the release ``step`` to ``ledger`` (durably, before the caller applies it) and
-        returns ``(noise, None)``: one float32 array per variable, (α_j·σ̃_G·N(0, 1))/den_G, the
-        noise of the sum divided by the denominator as the clipped sums already are. It is the
-        stream :meth:`~dpcore.GaussianAverageQuery.get_noised_result` (or the NestedQuery's)
-        draws for ``seed`` (tests; None: keyed from the OS). ``sq_norms`` (G, b): the real
+        returns ``(noise, None)``: one float32 array per variable, N(0, (α_j·σ̃_G/den_G)²) from
+        the core's ChaCha20 (:func:`dpcore.mechanism.gaussian_noise`, variable j of group G
+        seeded by ``derive_seed(seed, G, j)`` for tests; None: keyed from the OS), the noise of
+        the sum divided by the denominator as the clipped sums already are. ``sq_norms`` (G, b): the real
         records' squared norms, for a query whose plan depends on them (a non-finite record's
         given as +inf: above any clip; padding left out).
 
@@ -257,17 +270,13 @@ class HostRelease:
 
     def _draw(self, key: Any) -> List[np.ndarray]:
         step, seed, sds, dens = key
-        # one core call for every variable, on zero sums: exactly the query's own noise stream
-        shapes = [self.shapes[k] for g in self.groups for k in g.members]
-        zeros = [np.zeros(int(np.prod(sh, dtype=np.int64))) for sh in shapes]
-        flat_sds = [float(sd) for row in sds for sd in row]
-        flat_dens = [float(dens[gi]) for gi, row in enumerate(sds) for _ in row]
-        key_seed = derive_seed(seed, 1_000_003) if self.nested else seed
-        outs = _core.gaussian_release(zeros, flat_sds, flat_dens, [True] * len(zeros), _seed(key_seed))
+        # On the calling thread (a background one): the core's generator, one stream per
+        # variable, without competing for the cores the compiled step runs on.
         noise: List[Any] = [None] * len(self.shapes)
-        order = [k for g in self.groups for k in g.members]
-        for k, z, sh in zip(order, outs, shapes):
-            noise[k] = np.asarray(z, np.float32).reshape(sh)
+        for gi, (g, row) in enumerate(zip(self.groups, sds)):
+            for j, (k, sd) in enumerate(zip(g.members, row)):
+                noise[k] = gaussian_noise(self.shapes[k], sd / dens[gi], dtype=np.float32, seed=derive_seed(seed, gi, j),
+                                          parallel=False)
         return noise
 
     def _noise(self, key: Any) -> List[np.ndarray]:

@@ -16,26 +16,53 @@ import keras
 from keras.src import backend as kbackend
 
 from .._step import clipped_sums
+from .._ghost import GhostPlan, ghost_sq_norms, ghost_sums
 from ._common import loss_of_one, update_metrics
 
 __all__ = ["make_train_function"]
 
 
-def _per_record(model: Any) -> Any:
+def _per_record(model: Any, plan: Any = None) -> Any:
+    """``grads(tv, ntv, mv, x, y, sw) -> (loss, y_pred, grads, ntv, taps)``: per-record losses,
+    predictions and gradients (None for the variables ``plan`` gives ghost norms: their layers'
+    inputs and output gradients are in ``taps`` instead), by ``jax.vmap`` over the records."""
     f = loss_of_one(model)
+    ghost = set() if plan is None else plan.vars
 
     def grads(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any) -> Any:
+        other = [k for k in range(len(tv)) if k not in ghost]
+
         def g(xi: Any, yi: Any, swi: Any) -> Any:
             one = lambda t: None if t is None else jnp.expand_dims(t, 0)  # noqa: E731
-            return jax.value_and_grad(f, has_aux=True)(
-                tv, ntv, mv, jax.tree.map(one, xi), jax.tree.map(one, yi), jax.tree.map(one, swi)
-            )
+            x1, y1, sw1 = jax.tree.map(one, xi), jax.tree.map(one, yi), jax.tree.map(one, swi)
+            if not ghost:
+                (loss, (y_pred, ntv2)), gs = jax.value_and_grad(f, has_aux=True)(tv, ntv, mv, x1, y1, sw1)
+                return loss, y_pred, gs, ntv2, None
+            with plan.tapping(None) as found:  # the taps' shapes (this forward is traced only)
+                f(tv, ntv, mv, x1, y1, sw1)
+            taps = [[jnp.zeros(shape, dtype) for shape, dtype in calls] for calls in found.shapes]
 
-        (loss, (y_pred, ntv2)), gs = jax.vmap(g)(x, y, sw)
+            def fwd(p_other: Any, taps: Any) -> Any:
+                full = list(tv)
+                for k, v in zip(other, p_other):
+                    full[k] = v
+                with plan.tapping(taps) as tp:
+                    loss, aux = f(full, ntv, mv, x1, y1, sw1)
+                return loss, (aux, tp.inputs)
+
+            (loss, ((y_pred, ntv2), inputs)), (g_other, deltas) = jax.value_and_grad(fwd, argnums=(0, 1), has_aux=True)(
+                [tv[k] for k in other], taps
+            )
+            gs: List[Any] = [None] * len(tv)
+            for k, v in zip(other, g_other):
+                gs[k] = v
+            return loss, y_pred, gs, ntv2, (inputs, deltas)
+
+        loss, y_pred, gs, ntv2, taps = jax.vmap(g)(x, y, sw)
         y_pred = jax.tree.map(lambda t: t[:, 0], y_pred)
         # the non-trainable state (seed generators) as one record's forward left it
         ntv2 = [v[0] for v in ntv2]
-        return loss, y_pred, gs, ntv2
+        return loss, y_pred, gs, ntv2, taps
 
     return grads
 
@@ -51,19 +78,29 @@ def _metrics(model: Any, mv: Any, losses: Any, x: Any, y: Any, y_pred: Any, sw: 
 
 
 def make_train_function(model: Any) -> Any:
+    plan = GhostPlan(model) if model._dp_ghost else None
+    ghosted = _per_record(model, plan)
     per_record = _per_record(model)
     spec = model._dp_spec
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
 
     @jax.jit
     def clip(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any, mask: Any, clips: Any, inv_dens: Any) -> Any:
-        loss, y_pred, gs, ntv2 = per_record(tv, ntv, mv, x, y, sw)
-        sums, sq, bad = clipped_sums(keras.ops, gs, mask, spec, clips, inv_dens)
+        loss, y_pred, gs, ntv2, taps = ghosted(tv, ntv, mv, x, y, sw)
+        if taps is None:
+            sums, sq, bad = clipped_sums(keras.ops, gs, mask, spec, clips, inv_dens)
+        else:
+            inputs, deltas = taps
+            sums, sq, bad = clipped_sums(
+                keras.ops, gs, mask, spec, clips, inv_dens, ghost_sq=ghost_sq_norms(plan, inputs, deltas),
+                ghost_sum=lambda factors, bad: ghost_sums(plan, inputs, deltas, factors, bad, shapes),
+            )
         logs, mv2 = _metrics(model, mv, loss, x, y, y_pred, sw, mask)
         return sums, sq, bad, ntv2, mv2, logs
 
     @jax.jit
     def records(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any, mask: Any) -> Any:
-        loss, y_pred, gs, ntv2 = per_record(tv, ntv, mv, x, y, sw)
+        loss, y_pred, gs, ntv2, _ = per_record(tv, ntv, mv, x, y, sw)
         logs, mv2 = _metrics(model, mv, loss, x, y, y_pred, sw, mask)
         return gs, ntv2, mv2, logs
 
