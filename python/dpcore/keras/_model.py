@@ -393,6 +393,8 @@ class DPModel(keras.Model):
         predict only."""
         if kwargs.get("auto_scale_loss") is True:
             raise ValueError("auto_scale_loss=True would rescale the noised gradient; DPModel needs it off")
+        if kwargs.get("steps_per_execution", 1) != 1:
+            raise ValueError("steps_per_execution must be 1: every step is a release, recorded on the host before its update")
         kwargs.update(auto_scale_loss=False)
         optimizer = self._dp_optimizer if optimizer is None else optimizer
         if optimizer is None:
