@@ -37,11 +37,16 @@ _ACTIVE: Optional["Tapping"] = None
 Dense = keras.layers.Dense
 EinsumDense = keras.layers.EinsumDense
 Embedding = keras.layers.Embedding
-_ORIG = {Dense: Dense.call, EinsumDense: EinsumDense.call, Embedding: Embedding.call}
+BaseConv = keras.layers.Conv2D.__mro__[1]
+_ORIG = {Dense: Dense.call, EinsumDense: EinsumDense.call, Embedding: Embedding.call, BaseConv: BaseConv.call}
 
 
 def _kind(layer: Any) -> Optional[str]:
     # Only the library's own call, unchanged (no LoRA, not quantized): the tapped call repeats it.
+    if isinstance(layer, keras.layers.Conv2D) and type(layer).call is _ORIG[BaseConv]:
+        plain = (layer.data_format == "channels_last" and layer.groups == 1 and tuple(layer.dilation_rate) == (1, 1)
+                 and layer.padding in ("valid", "same") and not getattr(layer, "lora_enabled", False))
+        return "conv" if plain else None
     for cls, kind in ((Dense, "dense"), (EinsumDense, "einsum"), (Embedding, "embedding")):
         if type(layer).call is _ORIG[cls] and isinstance(layer, cls):
             if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
@@ -59,6 +64,8 @@ class _Tapped:
             self.w, self.b = index[id(layer._embeddings)], None
         else:
             self.w = index[id(layer._kernel)]
+            self.b = None if layer.bias is None else index.get(id(layer.bias))
+        if kind == "conv":
             self.b = None if layer.bias is None else index.get(id(layer.bias))
         if kind == "einsum":
             self.b = None  # its bias (shaped by bias_axes) takes the per-record path
@@ -107,12 +114,13 @@ class Tapping:
         global _ACTIVE
         _LOCK.acquire()
         _ACTIVE = self
-        Dense.call, EinsumDense.call, Embedding.call = _dense_call, _einsum_call, _embedding_call
+        Dense.call, EinsumDense.call, Embedding.call, BaseConv.call = _dense_call, _einsum_call, _embedding_call, _conv_call
         return self
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         Dense.call, EinsumDense.call, Embedding.call = _ORIG[Dense], _ORIG[EinsumDense], _ORIG[Embedding]
+        BaseConv.call = _ORIG[BaseConv]
         _ACTIVE = None
         _LOCK.release()
 
@@ -153,6 +161,17 @@ def _einsum_call(self: Any, inputs: Any, training: Any = None) -> Any:
     return self.activation(x) if self.activation is not None else x
 
 
+def _conv_call(self: Any, inputs: Any) -> Any:
+    t = _active_for(self)
+    if t is None:
+        return _ORIG[BaseConv](self, inputs)
+    x = self.convolution_op(inputs, self.kernel)
+    if self.use_bias:
+        x = ops.add(x, ops.reshape(self.bias, (1,) * (self.rank + 1) + (self.filters,)))
+    x = t.tap(self, inputs, x)
+    return self.activation(x) if self.activation is not None else x
+
+
 def _embedding_call(self: Any, inputs: Any) -> Any:
     t = _active_for(self)
     if t is None:
@@ -182,13 +201,15 @@ def _norms_rows(ops_: Any, a: Any) -> Any:
     return ops_.sqrt(ops_.sum(ops_.square(a), axis=-1))
 
 
-def _dense_bound(din: int, dout: int, t: int) -> float:
+def _dense_bound(din: int, dout: int, t: int, gram: bool) -> float:
     """γ of the ghost norm of a product AᵀΔ of T positions: the computed squared norm is within
-    γ·(Σ_t ‖a_t‖‖δ_t‖)² of the exact one, whichever way it was computed (Gram matrices: dot
-    products of d_in and d_out terms and a sum of T² products; or the formed product, each entry
-    a sum of T products, squared and summed in blocks; Higham 2002 §3.1, §4.2), doubled."""
-    blocks = min(din * dout, BLOCK) + math.ceil(din * dout / BLOCK)
-    return 2.0 * (din + dout + t * t + t + blocks + 34) * _U32
+    γ·(Σ_t ‖a_t‖‖δ_t‖)² of the exact one (Higham 2002 §3.1, §4.2: a sum of n terms in any order
+    is within (n-1)·u·Σ|terms|). Gram matrices: dot products of d_in and d_out terms, then the
+    T×T products summed by rows and the rows summed (2T terms); the formed product: entries of T
+    products each, their squares summed in blocks. Doubled, with room for the products' roundings."""
+    if gram:
+        return 2.0 * (din + dout + 2 * t + 34) * _U32
+    return 2.0 * (2 * t + min(din * dout, BLOCK) + math.ceil(din * dout / BLOCK) + 34) * _U32
 
 
 def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]) -> Dict[int, Any]:
@@ -197,6 +218,12 @@ def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[A
     sq: Dict[int, Any] = {}
     for tp, xs, ds in zip(plan.tapped, inputs, deltas):
         if not xs:  # a tapped layer the forward did not call: its gradient is 0
+            continue
+        if tp.kind == "conv":
+            g, gb = _conv_grads(tp, xs, ds)
+            sq[tp.w] = _sq_norms(ops, g)
+            if tp.b is not None:
+                sq[tp.b] = _sq_norms(ops, gb)
             continue
         d = ops.cast(_rows(ds), "float32")
         if tp.kind == "einsum":
@@ -210,21 +237,24 @@ def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[A
             same = ops.cast(ops.equal(ops.expand_dims(tok, 2), ops.expand_dims(tok, 1)), "float32")
             gd = ops.einsum("btd,bsd->bts", d, d)
             s = ops.sum(ops.sum(same * gd, axis=2), axis=1)
-            bound = 2.0 * (ops.shape(d)[2] + t * t + 34) * _U32 * ops.square(ops.sum(nd, axis=1))
+            # the pairs summed are those of equal tokens: the bound is over them alone
+            pairs = ops.sum(ops.sum(same * ops.expand_dims(nd, 2) * ops.expand_dims(nd, 1), axis=2), axis=1)
+            bound = 2.0 * (ops.shape(d)[2] + 2 * t + 34) * _U32 * pairs
             sq[tp.w] = ops.maximum(s, 0.0) + bound
             continue
         a = ops.cast(_rows(xs), "float32")
         din, dout = ops.shape(a)[2], ops.shape(d)[2]
         na = _norms_rows(ops, a)
+        gram = t * (din + dout) <= din * dout
         if t == 1:
             s = ops.square(na[:, 0] * nd[:, 0])
-        elif t * (din + dout) <= din * dout:
+        elif gram:
             ga = ops.einsum("bti,bsi->bts", a, a)
             gd = ops.einsum("bto,bso->bts", d, d)
             s = ops.sum(ops.sum(ga * gd, axis=2), axis=1)
         else:
             s = _sq_norms(ops, ops.einsum("bti,bto->bio", a, d))
-        bound = _dense_bound(din, dout, t) * ops.square(ops.sum(na * nd, axis=1))
+        bound = _dense_bound(din, dout, t, gram or t == 1) * ops.square(ops.sum(na * nd, axis=1))
         sq[tp.w] = ops.maximum(s, 0.0) + bound
         if tp.b is not None:
             sq[tp.b] = _sq_norms(ops, ops.sum(d, axis=1)) + 2.0 * (t + dout + 34) * _U32 * ops.square(ops.sum(nd, axis=1))
@@ -241,6 +271,37 @@ def _einsum_grads(tp: _Tapped, xs: List[Any], ds: List[Any]) -> Any:
     return g
 
 
+def _conv_grads(tp: _Tapped, xs: List[Any], ds: List[Any]) -> Tuple[Any, Any]:
+    """Each record's Conv2D kernel and bias gradients, (B, kh, kw, c_in, c_out) and (B, c_out):
+    for each kernel tap (i, j), the strided view of the padded input that tap multiplies, times Δ
+    summed over the output positions (one batched matrix product per tap, no im2col)."""
+    layer = tp.layer
+    kh, kw = layer.kernel_size
+    sh, sw = layer.strides
+    g = gb = None
+    for x, d in zip(xs, ds):
+        x = ops.cast(ops.squeeze(x, 1), "float32")  # (B, H, W, c_in): the record's batch-of-one axis dropped
+        d = ops.cast(ops.squeeze(d, 1), "float32")  # (B, H', W', c_out)
+        h, w = ops.shape(x)[1], ops.shape(x)[2]
+        ho, wo = ops.shape(d)[1], ops.shape(d)[2]
+        if layer.padding == "same":
+            ph = max((ho - 1) * sh + kh - h, 0)
+            pw = max((wo - 1) * sw + kw - w, 0)
+            x = ops.pad(x, ((0, 0), (ph // 2, ph - ph // 2), (pw // 2, pw - pw // 2), (0, 0)))
+        rows = []
+        for i in range(kh):
+            cols = []
+            for j in range(kw):
+                view = x[:, i : i + sh * (ho - 1) + 1 : sh, j : j + sw * (wo - 1) + 1 : sw, :]
+                cols.append(ops.einsum("bhwc,bhwo->bco", view, d))
+            rows.append(ops.stack(cols, axis=1))
+        gi = ops.stack(rows, axis=1)
+        g = gi if g is None else g + gi
+        bi = ops.sum(d, axis=(1, 2))
+        gb = bi if gb is None else gb + bi
+    return g, gb
+
+
 def ghost_sums(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]], factors: Dict[int, Any],
                bad: Any, shapes: List[Tuple[int, ...]]) -> Dict[int, Any]:
     """Per tapped variable, Σ_i c_i·g_i formed from the inputs and Δ (``factors[k]``: (B,) c_i
@@ -253,6 +314,12 @@ def ghost_sums(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]
                 out[tp.b] = ops.zeros(shapes[tp.b], "float32")
             continue
         zero = lambda v: ops.where(ops.reshape(bad, (-1,) + (1,) * (ops.ndim(v) - 1)), ops.zeros_like(v), v)  # noqa: E731
+        if tp.kind == "conv":
+            g, gb = _conv_grads(tp, xs, ds)
+            out[tp.w] = ops.tensordot(factors[tp.w], zero(g), axes=1)
+            if tp.b is not None:
+                out[tp.b] = ops.tensordot(factors[tp.b], zero(gb), axes=1)
+            continue
         if tp.kind == "einsum":
             g = zero(_einsum_grads(tp, xs, ds))
             out[tp.w] = ops.tensordot(factors[tp.w], g, axes=1)
