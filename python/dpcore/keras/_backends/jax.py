@@ -29,10 +29,17 @@ def _per_record(model: Any, plan: Any = None) -> Any:
     f = loss_of_one(model)
     ghost = set() if plan is None else plan.vars
 
-    def grads(tv: Any, ntv: Any, mv: Any, x: Any, y: Any, sw: Any) -> Any:
+    seeds = [k for k, v in enumerate(model.non_trainable_variables) if "seed_generator_state" in v.path]
+
+    def grads(tv: Any, ntv_step: Any, mv: Any, x: Any, y: Any, sw: Any) -> Any:
         other = [k for k in range(len(tv)) if k not in ghost]
 
-        def g(xi: Any, yi: Any, swi: Any) -> Any:
+        def g(xi: Any, yi: Any, swi: Any, i: Any) -> Any:
+            # each record its own random stream (dropout): the seed generators' seed moved by the
+            # record's index, their counter as the step's (record 0 keeps the step's own stream)
+            ntv = list(ntv_step)
+            for k in seeds:
+                ntv[k] = ntv[k] + jnp.stack([i, jnp.zeros_like(i)]).astype(ntv[k].dtype)
             one = lambda t: None if t is None else jnp.expand_dims(t, 0)  # noqa: E731
             x1, y1, sw1 = jax.tree.map(one, xi), jax.tree.map(one, yi), jax.tree.map(one, swi)
             if not ghost:
@@ -58,7 +65,8 @@ def _per_record(model: Any, plan: Any = None) -> Any:
                 gs[k] = v
             return loss, y_pred, gs, ntv2, (inputs, deltas)
 
-        loss, y_pred, gs, ntv2, taps = jax.vmap(g)(x, y, sw)
+        b = jax.tree.leaves(x)[0].shape[0]
+        loss, y_pred, gs, ntv2, taps = jax.vmap(g)(x, y, sw, jnp.arange(b, dtype=jnp.uint32))
         y_pred = jax.tree.map(lambda t: t[:, 0], y_pred)
         # the non-trainable state (seed generators) as one record's forward left it
         ntv2 = [v[0] for v in ntv2]
