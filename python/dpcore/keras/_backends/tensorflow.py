@@ -3,9 +3,10 @@ per-record loss (Abadi et al. 2016, Algorithm 1) inside one ``tf.function``, cli
 there (``_step.clipped_sums``); the noised update in another.
 
 How the per-record gradients are formed is chosen per model (``_tf_paths.choose_path``):
-``tf.vectorized_map`` where it works, else a path that does (a per-record loop, or XLA's own
-kernels), said in a warning, for the cases where TF's vectorisation fails (an RNN fed by an
-Embedding) or kills the process (einsum layers under oneDNN).
+``tf.vectorized_map`` where it works, else a path that does (a per-record loop compiled by XLA, or
+the vectorized graph compiled by XLA), said in a warning, for the cases where TF's vectorisation
+fails (an RNN fed by an Embedding) or where oneDNN's batch matmul would corrupt the process or
+give wrong per-record gradients (einsum layers, hence MultiHeadAttention).
 """
 
 from __future__ import annotations
@@ -16,28 +17,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from .. import _tf_paths
 from .._step import clipped_sums
 from ._common import loss_of_one, update_metrics
 
 __all__ = ["make_train_function"]
-
-
-def _paths() -> Any:
-    try:
-        from .. import _tf_paths
-    except ImportError:  # pragma: no cover - until the path chooser exists
-        return None
-    return _tf_paths
-
-
-def _vectorized(one: Any, params: Any, rec: Any) -> Any:
-    def g(r: Any) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch(params)
-            loss, y_pred = one(params, r)
-        return loss, y_pred, tape.gradient(loss, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-    return tf.vectorized_map(g, rec)
 
 
 def _seeded(model: Any) -> bool:
@@ -48,14 +32,12 @@ def make_train_function(model: Any) -> Any:
     f = loss_of_one(model)
     spec = model._dp_spec
     tvars = list(model.trainable_variables)
-    paths = _paths()
-    path, jit = "vectorized", False
-    if paths is not None:
-        path, why = paths.choose_path(model)
-        if why:
-            warnings.warn(f"dpcore.keras (TensorFlow): per-record gradients by the {path!r} path: {why}", UserWarning,
-                          stacklevel=3)
-        jit = path == "xla"
+    # the path that works for this model on this TF build, chosen from its traced (never run)
+    # per-record graph: a crash of oneDNN's batch matmul is predicted, not caught
+    path, why = _tf_paths.choose_path(model)
+    if why:
+        warnings.warn(f"dpcore.keras (TensorFlow): per-record gradients by the {path!r} path: {why}", UserWarning,
+                      stacklevel=3)
 
     def per_record(x: Any, y: Any, sw: Any) -> Any:
         ntv = [v.value for v in model.non_trainable_variables]
@@ -72,9 +54,7 @@ def make_train_function(model: Any) -> Any:
             loss, (y_pred, _) = f(p, ntv, mv, e(r["x"]), e(r.get("y")), e(r.get("sw")))
             return loss, keras.tree.map_structure(lambda t: t[0], y_pred)
 
-        if paths is None:
-            return _vectorized(one, params, rec)
-        return paths.per_record(one, params, rec, path=path)
+        return _tf_paths.per_record(one, params, rec, path=path)
 
     def advance_seeds(x: Any, y: Any, sw: Any) -> None:
         # the seed generators (dropout) move on as one record's forward moves them
@@ -87,7 +67,7 @@ def make_train_function(model: Any) -> Any:
 
     seeded = _seeded(model)
 
-    @tf.function(reduce_retracing=True, jit_compile=jit)
+    @tf.function(reduce_retracing=True)
     def clip(x: Any, y: Any, sw: Any, mask: Any, clips: Any, inv_dens: Any) -> Any:
         losses, y_pred, grads = per_record(x, y, sw)
         sums, sq, bad = clipped_sums(keras.ops, grads, mask, spec, clips, inv_dens)
@@ -107,7 +87,7 @@ def make_train_function(model: Any) -> Any:
     def apply(grads: Any) -> None:
         model.optimizer.apply([tf.cast(g, v.dtype) for g, v in zip(grads, tvars)], tvars)
 
-    @tf.function(reduce_retracing=True, jit_compile=jit)
+    @tf.function(reduce_retracing=True)
     def records(x: Any, y: Any, sw: Any) -> Any:
         return per_record(x, y, sw)
 
