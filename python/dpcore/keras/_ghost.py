@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 from keras import ops
 
-from ._step import BLOCK, _sq_norms
+from ._step import _sq_norms, block, blocked_sum, sum_error
 
 __all__ = ["GhostPlan"]
 
@@ -197,19 +197,33 @@ def _rows(xs: List[Any], last: bool = True) -> Any:
 
 
 def _norms_rows(ops_: Any, a: Any) -> Any:
-    """‖a_t‖ per record and position, (B, T), float32."""
-    return ops_.sqrt(ops_.sum(ops_.square(a), axis=-1))
+    """‖a_t‖ per record and position, (B, T), float32, summed in blocks (:func:`sum_error`)."""
+    return ops_.sqrt(blocked_sum(ops_, ops_.square(a)))
 
 
-def _dense_bound(din: int, dout: int, t: int, gram: bool) -> float:
-    """γ of the ghost norm of a product AᵀΔ of T positions: the computed squared norm is within
-    γ·(Σ_t ‖a_t‖‖δ_t‖)² of the exact one (Higham 2002 §3.1, §4.2: a sum of n terms in any order
-    is within (n-1)·u·Σ|terms|). Gram matrices: dot products of d_in and d_out terms, then the
-    T×T products summed by rows and the rows summed (2T terms); the formed product: entries of T
-    products each, their squares summed in blocks. Doubled, with room for the products' roundings."""
-    if gram:
-        return 2.0 * (din + dout + 2 * t + 34) * _U32
-    return 2.0 * (2 * t + min(din * dout, BLOCK) + math.ceil(din * dout / BLOCK) + 34) * _U32
+def _gram(a: Any) -> Any:
+    """a_t·a_s per record, (B, T, T), each dot product summed in blocks of about √d."""
+    b, t, d = ops.shape(a)
+    k = block(d)
+    n = -(-d // k)
+    if n * k != d:
+        a = ops.pad(a, ((0, 0), (0, 0), (0, n * k - d)))
+    a = ops.reshape(a, (b, t, n, k))
+    return ops.sum(ops.einsum("btnk,bsnk->btsn", a, a), axis=-1)
+
+
+def _formed(t: int, din: int, dout: int) -> bool:
+    """Whether a Dense's per-record kernel gradients are formed (B·d_in·d_out numbers) rather
+    than normed from Gram matrices (B·T² numbers): the smaller of the two."""
+    return t > 1 and t * (din + dout) > din * dout
+
+
+def _dense_bound(din: int, dout: int, t: int) -> float:
+    """γ of a Dense ghost norm from Gram matrices (or ‖a‖²‖δ‖² for one position): the computed
+    squared norm of AᵀΔ is within γ·(Σ_t ‖a_t‖‖δ_t‖)² of the exact one (Higham 2002 §3.1, §4.2:
+    a sum of n terms in any order is within (n-1)·u·Σ|terms|; the dot products summed in blocks,
+    the T×T products by rows, then the rows). Doubled, with room for the products' roundings."""
+    return 2.0 * (sum_error(din) + sum_error(dout) + 2 * t + 34) * _U32
 
 
 def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]) -> Dict[int, Any]:
@@ -235,29 +249,29 @@ def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[A
         if tp.kind == "embedding":
             tok = _rows(xs, last=False)
             same = ops.cast(ops.equal(ops.expand_dims(tok, 2), ops.expand_dims(tok, 1)), "float32")
-            gd = ops.einsum("btd,bsd->bts", d, d)
+            gd = _gram(d)
             s = ops.sum(ops.sum(same * gd, axis=2), axis=1)
             # the pairs summed are those of equal tokens: the bound is over them alone
             pairs = ops.sum(ops.sum(same * ops.expand_dims(nd, 2) * ops.expand_dims(nd, 1), axis=2), axis=1)
-            bound = 2.0 * (ops.shape(d)[2] + 2 * t + 34) * _U32 * pairs
+            bound = 2.0 * (sum_error(ops.shape(d)[2]) + 2 * t + 34) * _U32 * pairs
             sq[tp.w] = ops.maximum(s, 0.0) + bound
             continue
         a = ops.cast(_rows(xs), "float32")
         din, dout = ops.shape(a)[2], ops.shape(d)[2]
-        na = _norms_rows(ops, a)
-        gram = t * (din + dout) <= din * dout
-        if t == 1:
-            s = ops.square(na[:, 0] * nd[:, 0])
-        elif gram:
-            ga = ops.einsum("bti,bsi->bts", a, a)
-            gd = ops.einsum("bto,bso->bts", d, d)
-            s = ops.sum(ops.sum(ga * gd, axis=2), axis=1)
+        if _formed(t, din, dout):
+            # formed: the record's contribution is this very array (ghost_sums sums it), no bound
+            sq[tp.w] = _sq_norms(ops, ops.einsum("bti,bto->bio", a, d))
         else:
-            s = _sq_norms(ops, ops.einsum("bti,bto->bio", a, d))
-        bound = _dense_bound(din, dout, t, gram or t == 1) * ops.square(ops.sum(na * nd, axis=1))
-        sq[tp.w] = ops.maximum(s, 0.0) + bound
+            na = _norms_rows(ops, a)
+            if t == 1:
+                s = ops.square(na[:, 0] * nd[:, 0])
+            else:
+                s = ops.sum(ops.sum(_gram(a) * _gram(d), axis=2), axis=1)
+            bound = _dense_bound(din, dout, t) * ops.square(ops.sum(na * nd, axis=1))
+            sq[tp.w] = ops.maximum(s, 0.0) + bound
         if tp.b is not None:
-            sq[tp.b] = _sq_norms(ops, ops.sum(d, axis=1)) + 2.0 * (t + dout + 34) * _U32 * ops.square(ops.sum(nd, axis=1))
+            # formed too: the record's bias gradient Σ_t δ_t, summed by ghost_sums as it is
+            sq[tp.b] = _sq_norms(ops, ops.sum(d, axis=1))
     return sq
 
 
@@ -332,7 +346,11 @@ def ghost_sums(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]
             out[tp.w] = ops.segment_sum(ops.reshape(dc, (-1, dim)), ops.cast(tok, "int32"), num_segments=shapes[tp.w][0])
             continue
         a = zero(ops.cast(_rows(xs), "float32"))
-        out[tp.w] = ops.einsum("bti,bto->io", a, d * ops.reshape(factors[tp.w], (-1, 1, 1)))
+        t, din, dout = ops.shape(a)[1], ops.shape(a)[2], ops.shape(d)[2]
+        if _formed(t, din, dout):
+            out[tp.w] = ops.tensordot(factors[tp.w], ops.einsum("bti,bto->bio", a, d), axes=1)
+        else:
+            out[tp.w] = ops.einsum("bti,bto->io", a, d * ops.reshape(factors[tp.w], (-1, 1, 1)))
         if tp.b is not None:
-            out[tp.b] = ops.einsum("bto,b->o", d, factors[tp.b])
+            out[tp.b] = ops.tensordot(factors[tp.b], ops.sum(d, axis=1), axes=1)
     return out

@@ -46,9 +46,6 @@ __all__ = ["PAD", "ClipSpec", "HostRelease", "clipped_sums", "padded"]
 #: Poisson batch of any size runs one of a few compiled shapes.
 PAD = 8
 
-#: Block of the first stage of the squared norms' summation (see :func:`_sq_norms`).
-BLOCK = 1024
-
 #: Clip factors below this are 0 (as in the torch adapter: a factor far below float32's normal
 #: range would be rounded with a relative error beyond the margin).
 MIN_FACTOR = 2.0**-100
@@ -56,14 +53,25 @@ MIN_FACTOR = 2.0**-100
 _U32 = 2.0**-24
 
 
+def block(d: int) -> int:
+    """The block of the two-stage float32 sums of ``d`` terms: about √d, so that a term passes
+    through at most block + ⌈d/block⌉ ≈ 2√d additions, whatever order the compiler sums in."""
+    return max(1, math.isqrt(max(d - 1, 0)) + 1)
+
+
+def sum_error(d: int) -> int:
+    """n with (n-1)·u bounding the relative error of :func:`blocked_sum` over ``d`` non-negative
+    terms (Higham 2002, §4.2: any order of a sum of n terms)."""
+    k = block(d)
+    return k + -(-d // k)
+
+
 def f32_margin(dims: Sequence[int]) -> float:
     """Relative slack taken off every clip factor of a group of variables of ``dims``
-    coordinates, its squared norm summed in float32 in three stages (a block of at most
-    :data:`BLOCK` values, the ⌈d/BLOCK⌉ blocks of a variable, the variables): any order of a sum
-    of n terms is within (n-1)·u of the exact one (Higham 2002, §4.2), so the computed squared
-    norm is within (max_v(min(d_v, BLOCK) + ⌈d_v/BLOCK⌉) + parts + 32)·u, doubled; plus two
-    roundings of each contribution c_i·g_i and of its sum, doubled."""
-    n = max(min(d, BLOCK) + math.ceil(d / BLOCK) for d in dims) + len(dims) + 32
+    coordinates, its squared norm summed in float32 in three stages (blocks of about √d values,
+    the blocks of a variable, the variables: :func:`sum_error` each), doubled; plus two roundings
+    of each contribution c_i·g_i and of its sum, doubled."""
+    n = max(sum_error(d) for d in dims) + len(dims) + 32
     return 2.0 * n * _U32 + 4.0 * _U32
 
 
@@ -85,18 +93,26 @@ class ClipSpec:
             self.margins.append(f32_margin([int(np.prod(shapes[k], dtype=np.int64)) for k in members]))
 
 
+def blocked_sum(ops: Any, v: Any) -> Any:
+    """Σ over the last axis of ``v`` (float32, non-negative terms), in blocks of about √d (see
+    :func:`sum_error`)."""
+    shape = ops.shape(v)
+    d = int(shape[-1])
+    k = block(d)
+    if k >= d:
+        return ops.sum(v, axis=-1)
+    n = -(-d // k)
+    if n * k != d:
+        v = ops.pad(v, [(0, 0)] * (len(shape) - 1) + [(0, n * k - d)])
+    return ops.sum(ops.sum(ops.reshape(v, tuple(shape[:-1]) + (n, k)), axis=-1), axis=-1)
+
+
 def _sq_norms(ops: Any, g: Any) -> Any:
-    """Per-record squared L2 norm of ``g`` (B, ...) in float32, summed in blocks of
-    :data:`BLOCK` (the bound of :func:`f32_margin` holds whatever order the compiler sums in)."""
+    """Per-record squared L2 norm of ``g`` (B, ...) in float32, summed in blocks (the bound of
+    :func:`f32_margin` holds whatever order the compiler sums in)."""
     b = ops.shape(g)[0]
     d = int(np.prod(ops.shape(g)[1:], dtype=np.int64)) if len(ops.shape(g)) > 1 else 1
-    sq = ops.square(ops.reshape(ops.cast(g, "float32"), (b, d)))
-    if d <= BLOCK:
-        return ops.sum(sq, axis=1)
-    k = -(-d // BLOCK)
-    if k * BLOCK != d:
-        sq = ops.pad(sq, ((0, 0), (0, k * BLOCK - d)))
-    return ops.sum(ops.sum(ops.reshape(sq, (b, k, BLOCK)), axis=2), axis=1)
+    return blocked_sum(ops, ops.square(ops.reshape(ops.cast(g, "float32"), (b, d))))
 
 
 def clipped_sums(ops: Any, grads: Sequence[Any], mask: Any, spec: ClipSpec, clips: Any, inv_dens: Any,
