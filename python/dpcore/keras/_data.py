@@ -8,7 +8,7 @@ still yielded, because skipping it would reveal that no record was sampled.
 
 The source does not write to the ledger itself. Keras reads batches ahead of training (it peeks
 at the first batches to infer shapes, and prefetches), so a sample drawn here may be released
-later or never; the DP train step of :class:`dpcore.tensorflow.DPModel` records the sampling event
+later or never; the DP train step of :class:`dpcore.keras.DPModel` records the sampling event
 (n, q, ``poisson``) right before the release it belongs to. A sample that is drawn but never
 released costs no privacy.
 """
@@ -146,8 +146,8 @@ class PoissonBatches(keras.utils.PyDataset):
 
 class UserPoissonBatches(keras.utils.PyDataset):
     """User-level Poisson batches (ULS) of ``(x, y[, sample_weight])`` for a
-    :class:`~dpcore.tensorflow.DPModel` made with ``privacy_unit="user"`` and ``examples_per_user``
-    (:meth:`DPModel.batches <dpcore.tensorflow.DPModel.batches>` builds the one a model needs).
+    :class:`~dpcore.keras.DPModel` made with ``privacy_unit="user"`` and ``examples_per_user``
+    (:meth:`DPModel.batches <dpcore.keras.DPModel.batches>` builds the one a model needs).
 
     Each step draws **users**: each of the U users (the distinct ``user_ids``, one id per
     example) joins independently with probability q (:func:`dpcore.poisson_sample` over the
@@ -383,9 +383,9 @@ class CyclicBatches(keras.utils.PyDataset):
 
 class SampledBatches(keras.utils.PyDataset):
     """The batches of a :mod:`dpcore.sampling` sampler over ``(x, y[, sample_weight])``, for
-    :meth:`DPModel.fit <dpcore.tensorflow.DPModel.fit>` only: :class:`TruncatedPoissonBatches`,
+    :meth:`DPModel.fit <dpcore.keras.DPModel.fit>` only: :class:`TruncatedPoissonBatches`,
     :class:`BallsInBinsBatches`, :class:`RandomAllocationBatches` (or
-    :meth:`DPModel.batches <dpcore.tensorflow.DPModel.batches>`, which builds the one a model
+    :meth:`DPModel.batches <dpcore.keras.DPModel.batches>`, which builds the one a model
     was made for).
 
     Unlike :class:`PoissonBatches`, each batch is drawn by the DP train step itself, right before

@@ -1,6 +1,6 @@
-"""Building a :class:`~dpcore.tensorflow.DPModel`: :func:`make_private`, :func:`make_private_with_epsilon`.
+"""Building a :class:`~dpcore.keras.DPModel`: :func:`make_private`, :func:`make_private_with_epsilon`.
 
-:func:`make_private` wraps a Keras model in a :class:`~dpcore.tensorflow.DPModel` (Abadi et al.
+:func:`make_private` wraps a Keras model in a :class:`~dpcore.keras.DPModel` (Abadi et al.
 2016, Algorithm 1; McMahan et al. 2018); :func:`make_private_with_epsilon` first calibrates its
 noise multiplier to a target (ε, δ). ``_mf_config`` is the plan of a DPModel with
 matrix-factorization noise (its participation, steps, strategy and fixed denominator), shared by

@@ -1,6 +1,6 @@
 """The plan of matrix-factorization noise for the Keras path: the participation schema, the
-steps and the strategy a :class:`~dpcore.tensorflow.DPModel` trains with (shared by the model and
-:func:`~dpcore.tensorflow.make_private`)."""
+steps and the strategy a :class:`~dpcore.keras.DPModel` trains with (shared by the model and
+:func:`~dpcore.keras.make_private`)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,21 @@
-"""DP-SGD inside Keras's own ``model.fit``: :class:`DPModel` and :func:`make_private`.
+"""DP-SGD inside Keras's own ``model.fit`` on every Keras 3 backend: :class:`DPModel`.
 
-:meth:`DPModel.train_step` is Abadi et al. 2016, Algorithm 1, in the query/ledger architecture of
-McMahan et al. 2018: per-record gradients of the per-record loss (``tf.vectorized_map`` over the
-batch, compiled once with a free batch axis), clipped and summed by the Rust core through a
-:mod:`dpcore.queries` query, Gaussian noise from the core's ChaCha20 generator, the release
-written durably to the :class:`~dpcore.PrivacyLedger`, and only then the optimizer's update.
-(:func:`make_private` and :func:`make_private_with_epsilon`, which build a :class:`DPModel`,
-are in ``_make_private.py``, and the plan of matrix-factorization noise in ``_mf.py``.)
+Each step is Abadi et al. 2016, Algorithm 1, in the query/ledger architecture of McMahan et al.
+2018: per-record gradients of the per-record loss and their clipped sum in one compiled call of
+the backend (``_backends``: ``jax.vmap`` in ``jax.jit``, ``tf.vectorized_map`` or a per-record
+loop in ``tf.function``, ``torch.func.vmap``; the arithmetic of ``_step.clipped_sums``, ghost
+norms from ``_ghost`` on JAX), then on the host the sample and release written durably to the
+:class:`~dpcore.PrivacyLedger` and Gaussian noise drawn by the core's ChaCha20 generator
+(``_step.HostRelease``), and only then the compiled update. Queries that release otherwise (the
+discrete Gaussian, matrix-factorization noise) and user-level sampling take the host path: the
+compiled call returns the per-record gradients and the query clips them in the core.
+(:func:`make_private` and :func:`make_private_with_epsilon`, which build a :class:`DPModel`, are
+in ``_make_private.py``, and the plan of matrix-factorization noise in ``_mf.py``.)
 
-The core is called from Python, so the train step runs eagerly (``compile`` sets
-``run_eagerly=True``); the per-record gradients themselves still run as one TF graph per
-(micro-)batch. A record whose per-record gradient has a NaN or ±∞ value contributes zero to the
-step's sum and the step releases as usual (``on_nonfinite="zero"``, the default: differentially
-private, see :mod:`dpcore.mechanism`). With ``on_nonfinite="raise"`` the query's ``ValueError``
-leaves ``fit`` before anything reaches the ledger or the weights (a debugging aid, not DP).
+A record whose per-record gradient has a NaN or ±∞ value contributes zero to the step's sum and
+the step releases as usual (``on_nonfinite="zero"``, the default: differentially private, see
+:mod:`dpcore.mechanism`). With ``on_nonfinite="raise"`` a ``ValueError`` leaves ``fit`` before
+anything reaches the ledger or the weights (a debugging aid, not DP).
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ class DPModel(keras.Model):
     round's t = round(n·k/bs) steps; Feldman & Shenfeld 2025, arXiv 2502.08202). The
     denominator and :attr:`sampling_probability` become the sampler's (E[min(Bin(n, q), B)]
     and q; n/b and 1/b; n·k/t and k/t, for the nearest whole b or t). ``fit`` then takes the
-    sampler's batches, :meth:`batches` ``(x, y)`` (a :class:`~dpcore.tensorflow.SampledBatches`):
+    sampler's batches, :meth:`batches` ``(x, y)`` (a :class:`~dpcore.keras.SampledBatches`):
     each step's records are drawn in the train step right before the release and recorded with
     the sampler's policy, whatever Keras reads ahead. The allocation samplers have a certified Rényi-DP analysis only, so
     :meth:`get_epsilon` uses ``accountant="rdp"`` for them (the ledger would fall back to it,
@@ -183,7 +185,7 @@ class DPModel(keras.Model):
     on), in one of two ways:
 
     * ``examples_per_user=k``: user-level sampling (ULS). ``fit`` takes
-      :meth:`batches` ``(x, y)`` (a :class:`~dpcore.tensorflow.UserPoissonBatches`): each step
+      :meth:`batches` ``(x, y)`` (a :class:`~dpcore.keras.UserPoissonBatches`): each step
       samples users (Poisson, each of the U users with probability q), each sampled user
       contributes at most k of its examples (ChaCha20, without replacement), and the **mean** of
       their per-example gradients is clipped to C as one record (flat or per layer). The fixed
@@ -206,7 +208,14 @@ class DPModel(keras.Model):
 
     The ``loss``/metrics that ``fit`` logs are computed on the raw batch, for monitoring; they
     are not privatized and must not be published as DP outputs. Layers with batch statistics
-    (``BatchNormalization``) are rejected. Save the wrapped model (``.inner``), not the wrapper.
+    (a trainable ``BatchNormalization``) are rejected; a frozen one (``trainable=False``: inference
+    mode, each record's output its own) is allowed. Save the wrapped model (``.inner``), not the
+    wrapper; a DPModel built later on the reloaded weights and the same ledger path continues the
+    ledger.
+
+    The step is compiled by the Keras backend (``KERAS_BACKEND``: JAX, TensorFlow or torch; see
+    the module docstring): batches are padded to a multiple of 8 records (padding has clip factor
+    0), so a Poisson batch compiles once per few sizes. ``steps_per_execution`` must be 1.
     """
 
     def __init__(
@@ -345,7 +354,7 @@ class DPModel(keras.Model):
         if mpb is not None and (isinstance(mpb, bool) or not isinstance(mpb, numbers.Integral) or mpb < 1):
             raise ValueError(f"max_physical_batch_size must be an int >= 1, got {mpb!r}")
         if ledger is None:
-            path = os.path.join(tempfile.mkdtemp(prefix="dpcore-tf-"), "ledger.jsonl")
+            path = os.path.join(tempfile.mkdtemp(prefix="dpcore-keras-"), "ledger.jsonl")
             ledger = PrivacyLedger(path) if users is None else PrivacyLedger(path, privacy_unit="user")
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a dpcore.PrivacyLedger or None, got {type(ledger).__name__}")
@@ -458,7 +467,7 @@ class DPModel(keras.Model):
         elif _is_dataset(x) or inspect.isgenerator(x) or hasattr(x, "__next__"):
             if self.population_size is None:
                 raise TypeError(
-                    f"fit() got a {type(x).__name__}, whose sampling dpcore cannot see. Give a dpcore.tensorflow."
+                    f"fit() got a {type(x).__name__}, whose sampling dpcore cannot see. Give a dpcore.keras."
                     "PoissonBatches (Poisson sampling, amplified), or in-memory arrays, or set population_size "
                     "to have each batch recorded as a 'shuffle' sample (no amplification)"
                 )
@@ -508,7 +517,7 @@ class DPModel(keras.Model):
             if not isinstance(x, UserPoissonBatches):
                 raise TypeError(
                     "this DPModel samples users (privacy_unit='user', examples_per_user): fit() takes model.batches(x, y) "
-                    f"(a dpcore.tensorflow.UserPoissonBatches), got {type(x).__name__}"
+                    f"(a dpcore.keras.UserPoissonBatches), got {type(x).__name__}"
                 )
             if x.users.fingerprint != cfg.users.fingerprint:
                 raise ValueError(
@@ -543,7 +552,7 @@ class DPModel(keras.Model):
         if not isinstance(x, SampledBatches):
             raise TypeError(
                 f"this DPModel was made with sampler={self.sampler!r}: fit() takes its batches, model.batches(x, y) "
-                f"(a dpcore.tensorflow.{sampled_batches(self.sampler).__name__}), got {type(x).__name__}"
+                f"(a dpcore.keras.{sampled_batches(self.sampler).__name__}), got {type(x).__name__}"
             )
         if self.sampler is not None and self._drawn is None:
             raise TypeError(f"this DPModel was made with sampler={self.sampler!r}; fit() got {type(x).__name__}")
@@ -570,14 +579,14 @@ class DPModel(keras.Model):
         return _Sampling(x.population_size, x.sampling_probability, x.policy, x.seeded, source=x)
 
     def batches(self, x: Any, y: Any = None, sample_weight: Any = None, *, seed: Optional[int] = None, **kwargs: Any) -> Any:
-        """The :class:`~dpcore.tensorflow.SampledBatches` of this model's ``sampler`` over
+        """The :class:`~dpcore.keras.SampledBatches` of this model's ``sampler`` over
         ``(x, y[, sample_weight])`` (``len(x)`` must be ``population_size``), for :meth:`fit`.
         ``seed``: tests only (a seeded sample is predictable: no privacy). ``kwargs``: the
         ``PyDataset`` options (``workers``, ...).
 
         With ``privacy_unit="user"``: ``len(x)`` must be the number of ``user_ids``; ULS gives
-        a :class:`~dpcore.tensorflow.UserPoissonBatches` over the users, ELS the
-        :class:`~dpcore.tensorflow.PoissonBatches` of the examples the bound kept (``steps``
+        a :class:`~dpcore.keras.UserPoissonBatches` over the users, ELS the
+        :class:`~dpcore.keras.PoissonBatches` of the examples the bound kept (``steps``
         in ``kwargs``: batches per epoch, default round(1/q))."""
         if self._users is not None:
             return self._user_batches(x, y, sample_weight, seed=seed, **kwargs)
@@ -635,7 +644,7 @@ class DPModel(keras.Model):
         if not isinstance(x, CyclicBatches):
             raise TypeError(
                 f"fit() got a {type(x).__name__}; a DPModel with matrix-factorization noise trains on a "
-                "dpcore.tensorflow.CyclicBatches (the fixed cyclic order its noise's sensitivity assumes)"
+                "dpcore.keras.CyclicBatches (the fixed cyclic order its noise's sensitivity assumes)"
             )
         xp = x.participation
         if (xp.kind, xp.min_separation, xp.sampling_probability) != (part.kind, part.min_separation, part.sampling_probability) or (
@@ -672,7 +681,7 @@ class DPModel(keras.Model):
             f"DPModel.fit on {what}: the batches are not Poisson samples, so each release is recorded with "
             "policy 'shuffle' (or 'sequential' with shuffle=False) and accounted without sampling amplification, "
             "one Gaussian query per step (McMahan et al. 2018, §5). "
-            "Use dpcore.tensorflow.PoissonBatches for amplified accounting.",
+            "Use dpcore.keras.PoissonBatches for amplified accounting.",
             LedgerWarning,
             stacklevel=3,
         )

@@ -4,13 +4,13 @@ users to the ledger, and the per-user means of the user-level train step.
 Two samplings give a user-level guarantee (:mod:`dpcore.sampling._users`; Charles et al. 2024,
 arXiv 2407.07737):
 
-* **ULS** (``examples_per_user=k``): :class:`~dpcore.tensorflow.UserPoissonBatches` draws users;
+* **ULS** (``examples_per_user=k``): :class:`~dpcore.keras.UserPoissonBatches` draws users;
   the train step averages each sampled user's per-example gradients (weights 1/count, summed in
   float64 over the user's contiguous examples, across micro-batches) and hands the query one
   record per user, which it clips to C: a user moves the noised sum by at most C.
 * **ELS** (``max_examples_per_user=K``): each user is bounded to at most K examples once, before
   training (:meth:`~dpcore.sampling.UserIndex.bound`); the batches are ordinary
-  :class:`~dpcore.tensorflow.PoissonBatches` over the kept examples, clipped one by one.
+  :class:`~dpcore.keras.PoissonBatches` over the kept examples, clipped one by one.
 
 A resumed run must use the same users (and, for ELS, the same kept examples: a fresh bound
 would let a user contribute other examples, up to 2K in all). The users are therefore bound to
