@@ -55,8 +55,13 @@ _U32 = 2.0**-24
 
 def block(d: int) -> int:
     """The block of the two-stage float32 sums of ``d`` terms: about √d, so that a term passes
-    through at most block + ⌈d/block⌉ ≈ 2√d additions, whatever order the compiler sums in."""
-    return max(1, math.isqrt(max(d - 1, 0)) + 1)
+    through at most block + ⌈d/block⌉ ≈ 2√d additions, whatever order the compiler sums in; a
+    divisor of d near √d where there is one (no padding copy)."""
+    r = max(1, math.isqrt(max(d - 1, 0)) + 1)
+    for k in range(r, max(1, r // 2) - 1, -1):
+        if d % k == 0:
+            return k
+    return r
 
 
 def sum_error(d: int) -> int:
