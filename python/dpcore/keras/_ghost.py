@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 from keras import ops
 
-from ._step import _sq_norms, block, blocked_sum, sum_error
+from ._step import _sq_norms, blocked_sum
 
 __all__ = ["GhostPlan"]
 
@@ -202,14 +202,9 @@ def _norms_rows(ops_: Any, a: Any) -> Any:
 
 
 def _gram(a: Any) -> Any:
-    """a_t·a_s per record, (B, T, T), each dot product summed in blocks of about √d."""
-    b, t, d = ops.shape(a)
-    k = block(d)
-    n = -(-d // k)
-    if n * k != d:
-        a = ops.pad(a, ((0, 0), (0, 0), (0, n * k - d)))
-    a = ops.reshape(a, (b, t, n, k))
-    return ops.sum(ops.einsum("btnk,bsnk->btsn", a, a), axis=-1)
+    """a_t·a_s per record, (B, T, T): one batched product (each dot product's rounding is
+    bounded by its full length d, see :func:`_dense_bound`)."""
+    return ops.einsum("btd,bsd->bts", a, a)
 
 
 def _formed(t: int, din: int, dout: int) -> bool:
@@ -221,9 +216,10 @@ def _formed(t: int, din: int, dout: int) -> bool:
 def _dense_bound(din: int, dout: int, t: int) -> float:
     """γ of a Dense ghost norm from Gram matrices (or ‖a‖²‖δ‖² for one position): the computed
     squared norm of AᵀΔ is within γ·(Σ_t ‖a_t‖‖δ_t‖)² of the exact one (Higham 2002 §3.1, §4.2:
-    a sum of n terms in any order is within (n-1)·u·Σ|terms|; the dot products summed in blocks,
-    the T×T products by rows, then the rows). Doubled, with room for the products' roundings."""
-    return 2.0 * (sum_error(din) + sum_error(dout) + 2 * t + 34) * _U32
+    a sum of n terms in any order is within (n-1)·u·Σ|terms|; the dot products of d_in and d_out
+    terms, the T×T products summed by rows, then the rows). For one position the norms are summed
+    in blocks, which this bound covers too. Doubled, with room for the products' roundings."""
+    return 2.0 * (din + dout + 2 * t + 34) * _U32
 
 
 def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]) -> Dict[int, Any]:
@@ -253,7 +249,7 @@ def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[A
             s = ops.sum(ops.sum(same * gd, axis=2), axis=1)
             # the pairs summed are those of equal tokens: the bound is over them alone
             pairs = ops.sum(ops.sum(same * ops.expand_dims(nd, 2) * ops.expand_dims(nd, 1), axis=2), axis=1)
-            bound = 2.0 * (sum_error(ops.shape(d)[2]) + 2 * t + 34) * _U32 * pairs
+            bound = 2.0 * (ops.shape(d)[2] + 2 * t + 34) * _U32 * pairs
             sq[tp.w] = ops.maximum(s, 0.0) + bound
             continue
         a = ops.cast(_rows(xs), "float32")
