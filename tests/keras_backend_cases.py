@@ -542,3 +542,40 @@ def test_auto_scale_loss_is_refused():
                           population_size=len(y), sampling_probability=1.0, ledger=new_ledger())
     with pytest.raises(ValueError, match="auto_scale_loss"):
         dp.compile(loss=SCE(), auto_scale_loss=True)
+
+
+# -- the grey-box neighbour harness on this backend's release path --------------------------
+
+
+@pytest.mark.parametrize("clipping", CLIPPINGS)
+def test_greybox_neighbours_on_the_compiled_release_path(clipping):
+    # A record added, removed, replaced, duplicated, NaN, ±inf or huge, with identical randomness:
+    # the same branches and ledger entries, pre-noise sums within the declared sensitivity. On JAX
+    # and torch the Dense layers take the ghost-norm path (taps), so that path is audited too.
+    import warnings
+
+    from dpcore.audit import neighbour_audit
+    from greybox_cases import FEW, classification, ledger_path
+
+    n, q = 48, 1 / 3
+
+    def train(cols, seed):
+        x, y = cols
+        keras.utils.set_random_seed(0)  # the same initial weights in every run
+        m = keras.Sequential([keras.Input((8,)), L.Dense(6, activation="relu"), L.Dense(3)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dp = dpk.make_private(m, keras.optimizers.SGD(0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                                  clipping=clipping, population_size=n, sampling_probability=q,
+                                  ledger=dpcore.PrivacyLedger(ledger_path()), seed=seed)
+            dp.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            dp.fit(dpk.PoissonBatches(x, y, sampling_probability=q, steps=3, seed=seed), epochs=1, verbose=0)
+
+    res = neighbour_audit(train, classification(n), FEW, assume_public=("population_size",))
+    res.raise_for_findings()
+    groups = 1 if clipping == "flat" else 4
+    for r in res.runs:
+        assert r.releases == 3 and r.ledger_entries == 3 + 3 * groups, r
+        if r.neighbour in ("nan", "inf"):
+            assert r.max_ratio < 1e-6, r
+    assert max(r.max_ratio for r in res.runs) > 0.05  # the neighbour was sampled and moved the sum
