@@ -222,22 +222,26 @@ def _dense_bound(din: int, dout: int, t: int) -> float:
     return 2.0 * (din + dout + 2 * t + 34) * _U32
 
 
-def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]) -> Dict[int, Any]:
+def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]],
+                   formed: Optional[Dict[Any, Any]] = None) -> Dict[int, Any]:
     """Per tapped variable, each record's squared gradient norm raised by its rounding bound,
-    (B,) float32; ``inputs``/``deltas`` per tapped layer and call, with a leading record axis."""
+    (B,) float32; ``inputs``/``deltas`` per tapped layer and call, with a leading record axis.
+    ``formed``: a dict that keeps the per-record gradients formed here, for :func:`ghost_sums`
+    (torch runs eagerly: they would be formed twice; XLA would merge the two)."""
+    keep = {} if formed is None else formed
     sq: Dict[int, Any] = {}
     for tp, xs, ds in zip(plan.tapped, inputs, deltas):
         if not xs:  # a tapped layer the forward did not call: its gradient is 0
             continue
         if tp.kind == "conv":
-            g, gb = _conv_grads(tp, xs, ds)
+            g, gb = keep[(tp.w, "w")], keep[(tp.w, "b")] = _conv_grads(tp, xs, ds)
             sq[tp.w] = _sq_norms(ops, g)
             if tp.b is not None:
                 sq[tp.b] = _sq_norms(ops, gb)
             continue
         d = ops.cast(_rows(ds), "float32")
         if tp.kind == "einsum":
-            g = _einsum_grads(tp, xs, ds)
+            g = keep[(tp.w, "w")] = _einsum_grads(tp, xs, ds)
             sq[tp.w] = _sq_norms(ops, g)
             continue
         nd = _norms_rows(ops, d)
@@ -256,7 +260,8 @@ def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[A
         din, dout = ops.shape(a)[2], ops.shape(d)[2]
         if _formed(t, din, dout):
             # formed: the record's contribution is this very array (ghost_sums sums it), no bound
-            sq[tp.w] = _sq_norms(ops, ops.einsum("bti,bto->bio", a, d))
+            g = keep[(tp.w, "w")] = ops.einsum("bti,bto->bio", a, d)
+            sq[tp.w] = _sq_norms(ops, g)
         else:
             na = _norms_rows(ops, a)
             if t == 1:
@@ -267,7 +272,8 @@ def ghost_sq_norms(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[A
             sq[tp.w] = ops.maximum(s, 0.0) + bound
         if tp.b is not None:
             # formed too: the record's bias gradient Σ_t δ_t, summed by ghost_sums as it is
-            sq[tp.b] = _sq_norms(ops, ops.sum(d, axis=1))
+            gb = keep[(tp.w, "b")] = ops.sum(d, axis=1)
+            sq[tp.b] = _sq_norms(ops, gb)
     return sq
 
 
@@ -313,9 +319,11 @@ def _conv_grads(tp: _Tapped, xs: List[Any], ds: List[Any]) -> Tuple[Any, Any]:
 
 
 def ghost_sums(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]], factors: Dict[int, Any],
-               bad: Any, shapes: List[Tuple[int, ...]]) -> Dict[int, Any]:
+               bad: Any, shapes: List[Tuple[int, ...]], formed: Optional[Dict[Any, Any]] = None) -> Dict[int, Any]:
     """Per tapped variable, Σ_i c_i·g_i formed from the inputs and Δ (``factors[k]``: (B,) c_i
-    of variable k, 0 for padding and for a non-finite record, whose Δ is zeroed too)."""
+    of variable k, 0 for padding and for a non-finite record, whose values are zeroed too);
+    ``formed``: the per-record gradients :func:`ghost_sq_norms` formed, summed as they are."""
+    formed = {} if formed is None else formed
     out: Dict[int, Any] = {}
     for tp, xs, ds in zip(plan.tapped, inputs, deltas):
         if not xs:
@@ -325,13 +333,13 @@ def ghost_sums(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]
             continue
         zero = lambda v: ops.where(ops.reshape(bad, (-1,) + (1,) * (ops.ndim(v) - 1)), ops.zeros_like(v), v)  # noqa: E731
         if tp.kind == "conv":
-            g, gb = _conv_grads(tp, xs, ds)
+            g, gb = (formed[(tp.w, "w")], formed[(tp.w, "b")]) if (tp.w, "w") in formed else _conv_grads(tp, xs, ds)
             out[tp.w] = ops.tensordot(factors[tp.w], zero(g), axes=1)
             if tp.b is not None:
                 out[tp.b] = ops.tensordot(factors[tp.b], zero(gb), axes=1)
             continue
         if tp.kind == "einsum":
-            g = zero(_einsum_grads(tp, xs, ds))
+            g = zero(formed[(tp.w, "w")] if (tp.w, "w") in formed else _einsum_grads(tp, xs, ds))
             out[tp.w] = ops.tensordot(factors[tp.w], g, axes=1)
             continue
         d = zero(ops.cast(_rows(ds), "float32"))
@@ -344,9 +352,11 @@ def ghost_sums(plan: GhostPlan, inputs: List[List[Any]], deltas: List[List[Any]]
         a = zero(ops.cast(_rows(xs), "float32"))
         t, din, dout = ops.shape(a)[1], ops.shape(a)[2], ops.shape(d)[2]
         if _formed(t, din, dout):
-            out[tp.w] = ops.tensordot(factors[tp.w], ops.einsum("bti,bto->bio", a, d), axes=1)
+            g = formed[(tp.w, "w")] if (tp.w, "w") in formed else ops.einsum("bti,bto->bio", a, d)
+            out[tp.w] = ops.tensordot(factors[tp.w], zero(g), axes=1)
         else:
             out[tp.w] = ops.einsum("bti,bto->io", a, d * ops.reshape(factors[tp.w], (-1, 1, 1)))
         if tp.b is not None:
-            out[tp.b] = ops.tensordot(factors[tp.b], ops.sum(d, axis=1), axes=1)
+            gb = formed[(tp.w, "b")] if (tp.w, "b") in formed else ops.sum(d, axis=1)
+            out[tp.b] = ops.tensordot(factors[tp.b], zero(gb), axes=1)
     return out

@@ -99,9 +99,10 @@ def make_train_function(model: Any) -> Any:
             sums, sq, bad = clipped_sums(keras.ops, gs, mask, spec, clips, inv_dens)
         else:
             inputs, deltas = taps
+            formed: dict = {}  # the per-record gradients the norms form, summed as formed
             sums, sq, bad = clipped_sums(
-                keras.ops, gs, mask, spec, clips, inv_dens, ghost_sq=ghost_sq_norms(plan, inputs, deltas),
-                ghost_sum=lambda factors, bad: ghost_sums(plan, inputs, deltas, factors, bad, shapes),
+                keras.ops, gs, mask, spec, clips, inv_dens, ghost_sq=ghost_sq_norms(plan, inputs, deltas, formed),
+                ghost_sum=lambda factors, bad: ghost_sums(plan, inputs, deltas, factors, bad, shapes, formed),
             )
         logs, mv2 = _metrics(model, mv, loss, x, y, y_pred, sw, mask)
         return sums, sq, bad, ntv2, mv2, logs

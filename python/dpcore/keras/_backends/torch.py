@@ -115,9 +115,10 @@ def make_train_function(model: Any) -> Any:
             with torch.no_grad():
                 if batch.compiled and taps is not None:
                     inputs, deltas = taps
+                    formed: dict = {}  # the per-record gradients the norms form, summed as formed
                     s, sq, bad = clipped_sums(
-                        keras.ops, gs, mask, spec, clips, inv_dens, ghost_sq=ghost_sq_norms(plan, inputs, deltas),
-                        ghost_sum=lambda fs, b: ghost_sums(plan, inputs, deltas, fs, b, shapes),
+                        keras.ops, gs, mask, spec, clips, inv_dens, ghost_sq=ghost_sq_norms(plan, inputs, deltas, formed),
+                        ghost_sum=lambda fs, b: ghost_sums(plan, inputs, deltas, fs, b, shapes, formed),
                     )
                 elif batch.compiled:
                     s, sq, bad = clipped_sums(keras.ops, gs, mask, spec, clips, inv_dens)
