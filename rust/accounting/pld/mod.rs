@@ -52,7 +52,7 @@ pub mod truncated;
 
 use super::rdp_poisson;
 use crate::error::{require, DpError, DpResult};
-use compose::{compose, Composed, Part};
+use compose::{choose_tilt, compose_tilted, Composed, Part, Target};
 use loss::{Bound, Direction, SubsampledGaussianLoss};
 use rayon::prelude::*;
 
@@ -285,6 +285,16 @@ fn plan(groups: &[Group], truncated: &[TruncatedGroup]) -> DpResult<Plan> {
     if kinds.is_empty() {
         return Ok(Plan::Nothing);
     }
+    // A canonical order: the certified rounding bound (and the rounding) depends on the order
+    // of the products, the result must not depend on the order of the groups.
+    let key = |k: &Kind| {
+        let mut v = vec![k.lower.0, k.lower.1, k.envelope, k.count];
+        for c in &k.upper {
+            v.extend([c.weight, c.q, c.sigma]);
+        }
+        v
+    };
+    kinds.sort_by(|x, y| key(x).partial_cmp(&key(y)).unwrap_or(std::cmp::Ordering::Equal));
     Ok(Plan::Mixed(kinds))
 }
 
@@ -423,7 +433,8 @@ struct Pass {
     step_bins: usize,
 }
 
-/// Builds the per-step PLDs of one direction on grid Δ and composes them.
+/// Builds the per-step PLDs of one direction on grid Δ and composes them, each composition
+/// tilted towards `target` (see [`compose::compose_tilted`]).
 fn composed(
     kinds: &[Kind],
     dir: Direction,
@@ -431,6 +442,7 @@ fn composed(
     tail: f64,
     (pessimistic, optimistic): (bool, bool),
     max_bins: usize,
+    target: Target,
 ) -> DpResult<Pass> {
     let total: f64 = kinds.iter().map(|k| k.count).sum();
     let per_step = (tail / total).max(1e-300);
@@ -453,7 +465,7 @@ fn composed(
                 })
             })
             .collect();
-        compose(&parts, tail, tail, max_bins, pess)
+        tilted(&parts, tail, max_bins, pess, target)
     };
     let upper = if pessimistic {
         Some(run(|s| s.0.as_ref(), true)?)
@@ -477,13 +489,51 @@ fn composed(
     })
 }
 
+/// One composition, tilted towards `target`. A pessimistic composition whose answer falls
+/// below its window (the tilt too strong: atoms below the window are not represented) is
+/// recomputed with a quarter of the tilt, and untilted at last.
+fn tilted(parts: &[Part<'_>], tail: f64, max_bins: usize, pessimistic: bool, target: Target) -> DpResult<Composed> {
+    let mut t = choose_tilt(parts, target);
+    // A strong tilt can make rare large losses the bulk of the tilted measure, and its buffer
+    // too large: the tilt is halved (less tight, still certified) up to three times.
+    let mut halvings = 0;
+    for attempt in 0..=8 {
+        if attempt == 8 {
+            t = 0.0;
+        }
+        let c = match compose_tilted(parts, t, tail, tail, max_bins, pessimistic, 0) {
+            Ok(c) => c,
+            Err(DpError::GridTooLarge { .. }) if t > 0.0 && halvings < 3 => {
+                halvings += 1;
+                t /= 2.0;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        if t == 0.0 {
+            return Ok(c);
+        }
+        let lowest = (c.pld.offset + 1) as f64 * c.pld.interval;
+        let answer = match target {
+            Target::Delta(d) => curve::epsilon(&c.pld, d + if pessimistic { 0.0 } else { c.wrapped_in }, 0.0),
+            Target::Epsilon(e) => e,
+            Target::None => f64::INFINITY,
+        };
+        if answer >= lowest || !answer.is_finite() {
+            return Ok(c);
+        }
+        t /= 4.0;
+    }
+    unreachable!()
+}
+
 /// The loss window of the composition (in loss units), estimated on a coarse grid.
 fn window_width(kinds: &[Kind], dirs: &[Direction], tail: f64) -> DpResult<f64> {
     let mut w = 0.0f64;
     for &dir in dirs {
         let mut coarse = 1e-2;
         loop {
-            match composed(kinds, dir, coarse, tail, (true, false), 1 << 16) {
+            match composed(kinds, dir, coarse, tail, (true, false), 1 << 16, Target::None) {
                 Ok(c) => {
                     let n = c.upper.map_or(0, |c| c.pld.probs.len());
                     w = w.max(n as f64 * coarse);
@@ -538,7 +588,7 @@ fn check_delta(delta: f64) -> DpResult<()> {
 /// the mass that wrapped into the window (added to δ) and the transform's rounding (taken off
 /// every atom); a few ulps off the result.
 fn lower_epsilon(c: &Composed, delta: f64) -> f64 {
-    let e = curve::epsilon(&c.pld, delta + c.wrapped_in, -c.noise_floor);
+    let e = curve::epsilon(&c.pld, delta + c.wrapped_in, 0.0);
     (e - 16.0 * f64::EPSILON * (1.0 + e.abs())).max(0.0)
 }
 
@@ -553,12 +603,13 @@ fn bounds_pass(
     tail: f64,
     max_bins: usize,
     want: (bool, bool),
+    target: Target,
     upper: impl Fn(&Composed) -> f64,
     lower: impl Fn(&Composed) -> f64,
 ) -> DpResult<(f64, f64, usize)> {
     let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
     for &dir in dirs {
-        let p = composed(kinds, dir, d, tail, want, max_bins)?;
+        let p = composed(kinds, dir, d, tail, want, max_bins, target)?;
         if let Some(c) = &p.upper {
             up = up.max(upper(c));
         }
@@ -635,7 +686,7 @@ pub fn epsilon_bounds_mixed(
             let dirs = directions(&k);
             let d0 = choose_interval(&k, &dirs, opts, tail)?;
             let pass = |d: f64, want| {
-                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, |c| curve::epsilon(&c.pld, delta, 0.0), |c| {
+                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, Target::Delta(delta), |c| curve::epsilon(&c.pld, delta, 0.0), |c| {
                     lower_epsilon(c, delta)
                 })
             };
@@ -708,8 +759,8 @@ pub fn delta_bounds_mixed(
             let dirs = directions(&k);
             // Both directions at grid Δ with this tail budget: (upper δ, lower δ, step atoms).
             let pass = |tail: f64, d: f64, want: (bool, bool)| {
-                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, |c| curve::delta(&c.pld, epsilon, 0.0), |c| {
-                    (curve::delta(&c.pld, epsilon, -c.noise_floor) - c.wrapped_in).max(0.0)
+                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, Target::Epsilon(epsilon), |c| curve::delta(&c.pld, epsilon, 0.0), |c| {
+                    (curve::delta(&c.pld, epsilon, 0.0) - c.wrapped_in).max(0.0)
                 })
             };
             let run = |tail: f64, o: &Options, want: (bool, bool)| -> DpResult<((f64, f64, usize), f64)> {

@@ -164,11 +164,12 @@ fn heterogeneous_composition_ignores_order() {
     let x = epsilon_bounds(&[a, b], 1e-6, &o, false).unwrap().upper;
     let y = epsilon_bounds(&[b, a], 1e-6, &o, false).unwrap().upper;
     assert!((x - y).abs() <= 1e-9 * x, "{x} {y}");
-    // And splitting a group in two changes nothing but rounding.
+    // And splitting a group in two changes nothing but rounding and the certified bound on it
+    // (one more transform and product to bound): both above the split-free value, by < 1e-5.
     let a1 = Group { count: 100.0, ..a };
     let a2 = Group { count: 200.0, ..a };
     let z = epsilon_bounds(&[a1, b, a2], 1e-6, &o, false).unwrap().upper;
-    assert!((x - z).abs() <= 1e-6 * x, "{x} {z}");
+    assert!((x - z).abs() <= 1e-5 * x, "{x} {z}");
 }
 
 #[test]
@@ -266,15 +267,17 @@ fn lower_bound_is_tight_and_below_the_exact_gaussian() {
 #[test]
 fn lower_bound_gaps_on_the_bench_cases() {
     // Before this lower bound (losses rounded down) the gaps were 0.05–0.50 on these runs (0 as
-    // a lower bound at 10⁵ steps); now they are below 1% of ε.
-    for &(q, s, t, d) in &[
-        (256.0 / 60000.0, 1.1, 2340.0, 1e-5),
-        (0.001, 0.8, 1000.0, 1e-5),
-        (0.01, 4.0, 10000.0, 1e-5),
-        (1e-4, 0.8, 100000.0, 1e-6),
+    // a lower bound at 10⁵ steps); now they are below 2.5% of ε. At 10⁵ steps of q = 1e-4 the
+    // lower bound needs grids 64× finer, where the certified rounding bound (subtracted from
+    // every atom since the rounding is bounded, not modelled) limits the tilt: 4%.
+    for &(q, s, t, d, gap) in &[
+        (256.0 / 60000.0, 1.1, 2340.0, 1e-5, 0.025),
+        (0.001, 0.8, 1000.0, 1e-5, 0.025),
+        (0.01, 4.0, 10000.0, 1e-5, 0.025),
+        (1e-4, 0.8, 100000.0, 1e-6, 0.04),
     ] {
         let b = eps(q, s, t, d);
-        assert!(b.lower <= b.upper && b.upper - b.lower < 0.025 * b.upper, "{q} {s} {t}: {b:?}");
+        assert!(b.lower <= b.upper && b.upper - b.lower < gap * b.upper, "{q} {s} {t}: {b:?}");
     }
 }
 
@@ -362,4 +365,27 @@ fn add_direction_near_its_largest_loss_keeps_its_mass() {
     // Within total variation 4·(1 − q) of the Gaussian with μ = 74 (3052.6297…, 60 digits).
     assert!(b.lower <= b.upper && b.upper >= curve::gaussian_epsilon(1.0 / 74.0, 1e-5 + 4.1e-12) * (1.0 - 1e-9));
     assert!(b.upper <= 3052.6297 * (1.0 + 1e-4), "{b:?}");
+}
+
+#[test]
+#[ignore]
+fn debug_tilt() {
+    for &(q, s, t, d) in &[(1e-4, 0.8, 100000.0, 1e-6)] {
+        for dir in [Direction::Remove, Direction::Add] {
+            for h in [2.5e-5, 6.25e-6, 1.5625e-6] {
+                let k = vec![Kind::poisson(q, s, t)];
+                let tail = 1e-4 * d;
+                for want in [(false, true)] {
+                    let p = composed(&k, dir, h, tail, want, 1 << 21, Target::Delta(d)).unwrap();
+                    let c = p.upper.as_ref().or(p.lower.as_ref()).unwrap();
+                    let e = curve::epsilon(&c.pld, d + c.wrapped_in, 0.0);
+                    let p0 = composed(&k, dir, 1e-4, tail, want, 1 << 21, Target::None).unwrap();
+                    let c0 = p0.upper.as_ref().or(p0.lower.as_ref()).unwrap();
+                    let e0 = curve::epsilon(&c0.pld, d + c0.wrapped_in, 0.0);
+                    println!("{q} {s} {t} {d} {dir:?} h={h} pess={} tilt={} floor={:e} width={} eps={e} untilted={e0} floor0={:e}", want.0, c.tilt, c.noise_floor, c.pld.probs.len(), c0.noise_floor);
+                    for x in [0.0, 0.1, 0.2, 0.25, 0.3, 0.5, 1.0] { println!("   d({x}) = {:e} / {:e}; wrapped {:e}", curve::delta(&c.pld, x, 0.0), curve::delta(&c0.pld, x, 0.0), c.wrapped_in); }
+                }
+            }
+        }
+    }
 }
