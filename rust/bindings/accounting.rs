@@ -239,6 +239,57 @@ pld_bounds! {
     pld_delta_bounds(epsilon) = pld::delta_bounds_mixed;
 }
 
+/// One part of a composition as given from Python: (offset, atoms, mass at +∞, excess, count).
+type PldPart<'py> = (i64, numpy::PyReadonlyArray1<'py, f64>, f64, f64, f64);
+
+/// The certified composition of discrete PLDs (rust/accounting/pld/compose.rs: tilted towards
+/// `target`, ("delta", δ) or ("epsilon", ε), the transform's rounding bounded; `halve`: a
+/// tilted buffer above `max_bins` is retried with weaker tilts instead of refused):
+/// (offset, atoms, mass at +∞, mass to subtract from δ for a lower bound).
+#[pyfunction]
+#[pyo3(signature = (parts, interval, tail, max_bins, pessimistic, target=None, halve=true))]
+fn pld_compose(
+    py: Python<'_>,
+    parts: Vec<PldPart<'_>>,
+    interval: f64,
+    tail: f64,
+    max_bins: usize,
+    pessimistic: bool,
+    target: Option<(String, f64)>,
+    halve: bool,
+) -> PyResult<(i64, Py<PyAny>, f64, f64)> {
+    let target = match target {
+        None => pld::Target::None,
+        Some((k, v)) if k == "delta" => pld::Target::Delta(v),
+        Some((k, v)) if k == "epsilon" => pld::Target::Epsilon(v),
+        Some((k, _)) => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "target must be ('delta', δ) or ('epsilon', ε), got {k:?}"
+            )))
+        }
+    };
+    let plds: Vec<(pld::DiscretePld, f64)> = parts
+        .iter()
+        .map(|(offset, probs, inf_mass, excess, count)| {
+            Ok((
+                pld::DiscretePld {
+                    interval,
+                    offset: *offset,
+                    probs: probs.as_slice()?.to_vec(),
+                    inf_mass: *inf_mass,
+                    excess: *excess,
+                },
+                *count,
+            ))
+        })
+        .collect::<PyResult<_>>()?;
+    let c = detached(py, || pld::compose_parts(&plds, tail, max_bins, pessimistic, target, halve))?;
+    if matches!(c.pld.probs.len(), 0) {
+        return Err(pyo3::exceptions::PyValueError::new_err("empty composition"));
+    }
+    Ok((c.pld.offset, super::common::array(py, c.pld.probs), c.pld.inf_mass, c.wrapped_in))
+}
+
 /// The dominating mixture of one truncated-Poisson-sampled Gaussian step (rust/accounting/pld/
 /// truncated.rs): (a, b, x, q_b, q_eff): weights of the pairs (q, z) and (q_b, z/2) and of the
 /// upper envelope of their curves, and the Poisson rate the step dominates.
@@ -257,7 +308,7 @@ fn truncated_poisson_mixture(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     add_functions!(m, [
-        pld_epsilon_bounds, pld_delta_bounds, truncated_poisson_mixture, rdp_poisson_subsampled_gaussian, rdp_composition,
+        pld_epsilon_bounds, pld_delta_bounds, pld_compose, truncated_poisson_mixture, rdp_poisson_subsampled_gaussian, rdp_composition,
         rdp_per_group, epsilon_composition, delta_composition, epsilon_from_rdp,
         calibrate_noise_multiplier, calibrate_sampling_probability, calibrate_steps,
         _log_a_quadrature, default_rdp_orders,

@@ -37,7 +37,9 @@ and for the add direction when no component was dropped, with the mass that may 
 the window added to δ. It is looser than the core's mirror of connect the dots (by up to Δ per
 step in the loss: loose at 10⁵ steps) and is reported only as a lower bound.
 
-Not covered (as in the core): floating-point rounding inside the transform.
+The composition itself runs in the core (``_core.pld_compose``, ``rust/accounting/pld/compose.rs``):
+tilted towards the δ or ε asked for, with the transform's floating-point rounding bounded and
+added to every atom (subtracted for the lower bound), so that the rounding is covered here too.
 """
 
 from __future__ import annotations
@@ -326,97 +328,42 @@ def discretize(kind: Kind, remove: bool, interval: float, per_step: float, max_b
 # ----------------------------------------------------------------------------- composition
 
 
-def _atoms(p: Pld, upper: bool) -> Tuple[np.ndarray, np.ndarray]:
-    """(losses, log masses) standing for the finite atoms in a Chernoff bound: the atoms heavier
-    than 1e-8 of the heaviest at their own loss, the lighter ones merged in about 2048 blocks,
-    each block's mass at its top loss (``upper``: for the bound above) or its bottom loss, which
-    only moves the bound outward."""
-    probs = p.probs
-    n = len(probs)
-    g = max(1, n // 2048)
-    idx = np.arange(n)
-    heavy = probs >= 1e-8 * float(probs.max()) if n else np.zeros(0, dtype=bool)
-    heavy &= probs > 0
-    light = np.where(heavy, 0.0, probs)
-    nb = -(-n // g)
-    padded = np.zeros(nb * g)
-    padded[:n] = light
-    block_mass = padded.reshape(nb, g).sum(axis=1)
-    block_idx = np.minimum(np.arange(nb) * g + (g - 1 if upper else 0), n - 1)
-    keep = block_mass > 0
-    ell = np.concatenate([idx[heavy], block_idx[keep]]) + p.offset
-    mass = np.concatenate([probs[heavy], block_mass[keep]])
-    return ell * p.interval, np.log(mass)
-
-
-def _window(parts: Sequence[Tuple[Pld, int]], tail: float) -> Tuple[float, float]:
-    """(lo, hi) in loss units: the composed finite mass above hi is at most ``tail`` (Chernoff:
-    P(S > h) ≤ e^{K(λ) − λh}, K(λ) = Σ c·log Σ_i p_i·e^{λℓ_i}, minimised over a grid of λ),
-    and likewise below lo."""
-    log_t = math.log(tail)
-    lams = np.geomspace(1e-3, 1e3, 31)
-
-    def cgf(lam: np.ndarray, upper: bool) -> np.ndarray:
-        out = np.zeros(len(lam))
-        for p, c in parts:
-            ell, lp = _atoms(p, upper)
-            if len(ell) == 0:
-                return np.full(len(lam), -np.inf)
-            v = lp[:, None] + ell[:, None] * lam[None, :]
-            m = v.max(axis=0)
-            out += c * (m + np.log(np.exp(v - m).sum(axis=0)))
-        return out
-
-    hi = float(np.min((cgf(lams, True) - log_t) / lams))
-    lo = float(np.max(-(cgf(-lams, False) - log_t) / lams))
-    # the extremes of the support bound it too
-    top = sum(c * (p.offset + len(p.probs) - 1) * p.interval for p, c in parts)
-    bottom = sum(c * p.offset * p.interval for p, c in parts)
-    return max(lo, bottom), min(hi, top)
-
-
 @dataclass
 class Composed:
     pld: Pld
-    #: an upper bound on the finite mass that may have wrapped into the window from outside it
+    #: mass to subtract from δ for a lower bound (none here: the core's optimistic atoms already
+    #: have what may have wrapped in removed)
     wrapped: float
-    #: the mass of atoms the transform rounded below zero (set to zero)
+    #: kept for the callers' arithmetic: always 0 (the core bounds the rounding instead)
     excess: float
 
 
-def compose(parts: Sequence[Tuple[Pld, int]], tail: float, max_bins: int = MAX_BINS, pessimistic: bool = True) -> Composed:
-    """The composition of ``count`` copies of each PLD (all on one grid), by FFT. ``pessimistic``:
-    the finite mass the window may have cut from above is added to the +∞ atom (for an upper
-    bound); otherwise nothing is added, and :attr:`Composed.wrapped` bounds what wrapped in."""
-    from scipy import fft as sfft
+def compose(parts: Sequence[Tuple[Pld, int]], tail: float, max_bins: int = MAX_BINS, pessimistic: bool = True,
+            target: Optional[Tuple[str, float]] = None, halve: bool = True) -> Composed:
+    """The composition of ``count`` copies of each PLD (all on one grid), by the core's certified
+    FFT composition (``rust/accounting/pld/compose.rs``): tilted towards ``target``
+    (``("delta", δ)`` or ``("epsilon", ε)``), the transform's rounding bounded and included, so
+    that every atom is an upper bound (``pessimistic``) or a lower bound on the exact
+    composition's; the finite mass above the window is added to the +∞ atom. ``halve``: a tilted
+    window above ``max_bins`` is retried with weaker tilts (else :class:`GridTooLarge`, for the
+    caller to coarsen the grid)."""
+    from .. import _core
 
     interval = parts[0][0].interval
     inf_log = sum(c * math.log1p(-min(p.inf, 1.0)) if p.inf < 1.0 else -math.inf for p, c in parts)
-    inf = -math.expm1(inf_log) if math.isfinite(inf_log) else 1.0
-    if inf >= 1.0:
+    if not math.isfinite(inf_log):
         return Composed(Pld(interval, 0, np.zeros(1), 1.0), 0.0, 0.0)
-    lo, hi = _window(parts, tail)
-    a = math.floor(lo / interval)
-    b = max(math.ceil(hi / interval), a)
-    size = b - a + 1
-    if size > max_bins:
-        raise GridTooLarge(f"the composition's window needs {size} atoms", size)
-    n = sfft.next_fast_len(max(size, max(len(p.probs) for p, _ in parts)), real=True)
-    offset = sum(c * p.offset for p, c in parts)
-    spec = np.ones(n // 2 + 1, dtype=complex)
-    for p, c in parts:
-        spec *= sfft.rfft(p.probs, n) ** c
-    out = sfft.irfft(spec, n)
-    # out[r] holds the mass of the totals v ≡ offset + r (mod n); the window's totals a..b
-    r = (np.arange(a, b + 1) - offset) % n
-    probs = out[r]
-    excess = float(-probs[probs < 0].sum())
-    probs = np.maximum(probs, 0.0)
-    # Chernoff: the finite mass above the window (its true losses) goes to +∞ on top of the
-    # aliased copy the transform left inside it (extra mass: pessimistic).
-    if pessimistic:
-        inf = min(1.0, inf + tail)
-    return Composed(Pld(interval, a, probs, inf), 2 * tail, excess)
+    core_parts = [(int(p.offset), np.ascontiguousarray(p.probs, dtype=np.float64), float(p.inf), 0.0, float(c))
+                  for p, c in parts if c > 0]
+    if not core_parts:
+        return Composed(Pld(interval, 0, np.ones(1), 0.0), 0.0, 0.0)
+    try:
+        offset, probs, inf, wrapped = _core.pld_compose(core_parts, interval, tail, max_bins, pessimistic, target, halve)
+    except ValueError as e:
+        if "GridTooLarge" in str(e) or "atoms" in str(e):
+            raise GridTooLarge(str(e), max_bins + 1) from None
+        raise
+    return Composed(Pld(interval, offset, np.asarray(probs), min(inf, 1.0)), wrapped, 0.0)
 
 
 # ----------------------------------------------------------------------------- curves
@@ -466,7 +413,7 @@ def epsilon_at(p: Pld, delta: float) -> float:
 
 
 def _passes(kinds: Sequence[Kind], interval: float, tail: float, max_bins: int, pessimistic: bool,
-            directions: Sequence[bool]) -> List[Composed]:
+            directions: Sequence[bool], target: Optional[Tuple[str, float]] = None, halve: bool = True) -> List[Composed]:
     total = sum(k.count for k in kinds)
     per_step = max(tail / total, 1e-300)
     out = []
@@ -474,12 +421,13 @@ def _passes(kinds: Sequence[Kind], interval: float, tail: float, max_bins: int, 
         steps = [discretize(k, remove, interval, per_step, max_bins, pessimistic) for k in kinds]
         if any(p is None for p in steps):
             continue  # (a lower bound for the other direction only)
-        out.append(compose([(p, k.count) for p, k in zip(steps, kinds)], tail, max_bins, pessimistic))
+        out.append(compose([(p, k.count) for p, k in zip(steps, kinds)], tail, max_bins, pessimistic, target, halve))
     return out
 
 
 def _run(kinds: Sequence[Kind], interval: Optional[float], tail: float, pessimistic: bool,
-         directions: Sequence[bool], max_bins: int = MAX_BINS) -> Tuple[List[Composed], float]:
+         directions: Sequence[bool], max_bins: int = MAX_BINS,
+         target: Optional[Tuple[str, float]] = None) -> Tuple[List[Composed], float]:
     """The compositions of both directions, and the grid step used: ``interval``, else 1e-4,
     refined once where the composed window holds fewer than TARGET_BINS atoms (a small
     composition) and coarsened where a grid exceeds ``max_bins`` (the ε stays an upper bound,
@@ -488,7 +436,8 @@ def _run(kinds: Sequence[Kind], interval: Optional[float], tail: float, pessimis
     refined = interval is not None
     while True:
         try:
-            out = _passes(kinds, d, tail, max_bins, pessimistic, directions)
+            out = _passes(kinds, d, tail, max_bins, pessimistic, directions, target,
+                          halve=interval is not None or not pessimistic)
         except GridTooLarge as e:
             if interval is not None:
                 raise
@@ -510,13 +459,15 @@ def epsilon_bounds(kinds: Sequence[Kind], delta: float, interval: Optional[float
     if not kinds:
         return 0.0, 0.0
     tail = 1e-4 * delta
-    composed, d = _run(kinds, interval, tail, True, (True, False))
+    target = ("delta", delta)
+    composed, d = _run(kinds, interval, tail, True, (True, False), target=target)
     up = max(epsilon_at(c.pld, delta) for c in composed)
     lo = 0.0
     if lower:
         def lower_at(step: Optional[float]) -> float:
             return max(
-                (epsilon_at(c.pld, delta + c.wrapped + c.excess) for c in _run(kinds, step, tail, False, (True, False))[0]),
+                (epsilon_at(c.pld, delta + c.wrapped + c.excess)
+                 for c in _run(kinds, step, tail, False, (True, False), target=target)[0]),
                 default=0.0,
             )
 
@@ -545,7 +496,8 @@ def delta_bounds(kinds: Sequence[Kind], epsilon: float, interval: Optional[float
         return 0.0, 0.0
 
     def up_at(tail: float) -> float:
-        return max(delta_at(c.pld, epsilon) for c in _run(kinds, interval, tail, True, (True, False))[0])
+        return max(delta_at(c.pld, epsilon)
+                   for c in _run(kinds, interval, tail, True, (True, False), target=("epsilon", epsilon))[0])
 
     up = up_at(1e-10)
     if up < 1e-6:
@@ -556,7 +508,7 @@ def delta_bounds(kinds: Sequence[Kind], epsilon: float, interval: Optional[float
         try:
             lo = max(
                 (max(delta_at(c.pld, epsilon) - c.wrapped - c.excess, 0.0)
-                 for c in _run(kinds, interval, tail, False, (True, False))[0]),
+                 for c in _run(kinds, interval, tail, False, (True, False), target=("epsilon", epsilon))[0]),
                 default=0.0,
             )
         except GridTooLarge:

@@ -99,38 +99,6 @@ impl Cgf {
         per.iter().sum()
     }
 
-    /// A bound on the mass strictly beyond `idx` (above if `upper`, else below):
-    /// min over λ > 0 of e^{K(±λ) ∓ λ·(idx ± 1)}.
-    fn beyond(&self, idx: f64, upper: bool) -> f64 {
-        let s = if upper { 1.0 } else { -1.0 };
-        let edge = idx + s;
-        let f = |ll: f64| {
-            let lam = ll.exp();
-            self.k(s * lam) - lam * s * edge
-        };
-        let (mut lo, mut hi) = ((1e-12f64).ln(), (30.0f64).ln());
-        let g = 0.5 * (5f64.sqrt() - 1.0);
-        let mut x1 = hi - g * (hi - lo);
-        let mut x2 = lo + g * (hi - lo);
-        let (mut f1, mut f2) = (f(x1), f(x2));
-        for _ in 0..40 {
-            if f1 <= f2 {
-                hi = x2;
-                x2 = x1;
-                f2 = f1;
-                x1 = hi - g * (hi - lo);
-                f1 = f(x1);
-            } else {
-                lo = x1;
-                x1 = x2;
-                f1 = f2;
-                x2 = lo + g * (hi - lo);
-                f2 = f(x2);
-            }
-        }
-        f1.min(f2).exp().min(1.0)
-    }
-
     /// The smallest index b with finite mass above b bounded by ≤ `tau` (upper = true), or the
     /// largest a with mass below a ≤ `tau` (upper = false), and the bound achieved.
     fn bound(&self, tau: f64, upper: bool, trivial: f64) -> (f64, f64) {

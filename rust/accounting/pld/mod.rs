@@ -52,7 +52,8 @@ pub mod truncated;
 
 use super::rdp_poisson;
 use crate::error::{require, DpError, DpResult};
-use compose::{choose_tilt, compose_tilted, Composed, Part, Target};
+pub use compose::{Composed, Target};
+use compose::{choose_tilt, compose_tilted, Part};
 use loss::{Bound, Direction, SubsampledGaussianLoss};
 use rayon::prelude::*;
 
@@ -443,6 +444,7 @@ fn composed(
     (pessimistic, optimistic): (bool, bool),
     max_bins: usize,
     target: Target,
+    fixed: bool,
 ) -> DpResult<Pass> {
     let total: f64 = kinds.iter().map(|k| k.count).sum();
     let per_step = (tail / total).max(1e-300);
@@ -465,7 +467,7 @@ fn composed(
                 })
             })
             .collect();
-        tilted(&parts, tail, max_bins, pess, target)
+        tilted(&parts, tail, max_bins, pess, target, fixed || !pess)
     };
     let upper = if pessimistic {
         Some(run(|s| s.0.as_ref(), true)?)
@@ -492,10 +494,19 @@ fn composed(
 /// One composition, tilted towards `target`. A pessimistic composition whose answer falls
 /// below its window (the tilt too strong: atoms below the window are not represented) is
 /// recomputed with a quarter of the tilt, and untilted at last.
-fn tilted(parts: &[Part<'_>], tail: f64, max_bins: usize, pessimistic: bool, target: Target) -> DpResult<Composed> {
+fn tilted(
+    parts: &[Part<'_>],
+    tail: f64,
+    max_bins: usize,
+    pessimistic: bool,
+    target: Target,
+    halve: bool,
+) -> DpResult<Composed> {
     let mut t = choose_tilt(parts, target);
     // A strong tilt can make rare large losses the bulk of the tilted measure, and its buffer
-    // too large: the tilt is halved (less tight, still certified) up to three times.
+    // too large. With `halve` the tilt is halved (less tight, still certified) up to three
+    // times; otherwise the error goes back to the caller, which coarsens an automatic grid
+    // (at the same ε, a coarser grid costs less tightness than a weaker tilt).
     let mut halvings = 0;
     for attempt in 0..=8 {
         if attempt == 8 {
@@ -503,7 +514,7 @@ fn tilted(parts: &[Part<'_>], tail: f64, max_bins: usize, pessimistic: bool, tar
         }
         let c = match compose_tilted(parts, t, tail, tail, max_bins, pessimistic, 0) {
             Ok(c) => c,
-            Err(DpError::GridTooLarge { .. }) if t > 0.0 && halvings < 3 => {
+            Err(DpError::GridTooLarge { .. }) if halve && t > 0.0 && halvings < 3 => {
                 halvings += 1;
                 t /= 2.0;
                 continue;
@@ -527,13 +538,38 @@ fn tilted(parts: &[Part<'_>], tail: f64, max_bins: usize, pessimistic: bool, tar
     unreachable!()
 }
 
+/// The certified composition of PLDs given atom by atom (`count` copies of each, all on one
+/// grid): the path of steps that are not Poisson-subsampled Gaussians (the mixture-of-Gaussians
+/// steps discretised in Python), composed as every other (tilted towards `target`, rounding
+/// bounded; see [`compose::compose_tilted`]).
+pub fn compose_parts(
+    parts: &[(DiscretePld, f64)],
+    tail: f64,
+    max_bins: usize,
+    pessimistic: bool,
+    target: Target,
+    halve: bool,
+) -> DpResult<Composed> {
+    require(!parts.is_empty(), "parts", "at least one", 0)?;
+    let interval = parts[0].0.interval;
+    for (p, c) in parts {
+        require(p.interval == interval, "interval", "the same for every part", p.interval)?;
+        require(*c >= 0.0 && c.is_finite() && c.fract() == 0.0, "count", "a whole number >= 0", *c)?;
+        require(p.probs.iter().all(|x| *x >= 0.0 && x.is_finite()) && !p.probs.is_empty(), "probs", "finite, >= 0, not empty", 0)?;
+        require((0.0..=1.0).contains(&p.inf_mass), "inf_mass", "in [0, 1]", p.inf_mass)?;
+    }
+    require(tail > 0.0 && tail < 1.0, "tail", "in (0, 1)", tail)?;
+    let ps: Vec<Part<'_>> = parts.iter().map(|(pld, count)| Part { pld, count: *count }).collect();
+    tilted(&ps, tail, max_bins, pessimistic, target, halve)
+}
+
 /// The loss window of the composition (in loss units), estimated on a coarse grid.
 fn window_width(kinds: &[Kind], dirs: &[Direction], tail: f64) -> DpResult<f64> {
     let mut w = 0.0f64;
     for &dir in dirs {
         let mut coarse = 1e-2;
         loop {
-            match composed(kinds, dir, coarse, tail, (true, false), 1 << 16, Target::None) {
+            match composed(kinds, dir, coarse, tail, (true, false), 1 << 16, Target::None, false) {
                 Ok(c) => {
                     let n = c.upper.map_or(0, |c| c.pld.probs.len());
                     w = w.max(n as f64 * coarse);
@@ -604,12 +640,13 @@ fn bounds_pass(
     max_bins: usize,
     want: (bool, bool),
     target: Target,
+    fixed: bool,
     upper: impl Fn(&Composed) -> f64,
     lower: impl Fn(&Composed) -> f64,
 ) -> DpResult<(f64, f64, usize)> {
     let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
     for &dir in dirs {
-        let p = composed(kinds, dir, d, tail, want, max_bins, target)?;
+        let p = composed(kinds, dir, d, tail, want, max_bins, target, fixed)?;
         if let Some(c) = &p.upper {
             up = up.max(upper(c));
         }
@@ -686,7 +723,7 @@ pub fn epsilon_bounds_mixed(
             let dirs = directions(&k);
             let d0 = choose_interval(&k, &dirs, opts, tail)?;
             let pass = |d: f64, want| {
-                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, Target::Delta(delta), |c| curve::epsilon(&c.pld, delta, 0.0), |c| {
+                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, Target::Delta(delta), opts.interval.is_some(), |c| curve::epsilon(&c.pld, delta, 0.0), |c| {
                     lower_epsilon(c, delta)
                 })
             };
@@ -759,7 +796,7 @@ pub fn delta_bounds_mixed(
             let dirs = directions(&k);
             // Both directions at grid Δ with this tail budget: (upper δ, lower δ, step atoms).
             let pass = |tail: f64, d: f64, want: (bool, bool)| {
-                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, Target::Epsilon(epsilon), |c| curve::delta(&c.pld, epsilon, 0.0), |c| {
+                bounds_pass(&k, &dirs, d, tail, opts.max_bins, want, Target::Epsilon(epsilon), opts.interval.is_some(), |c| curve::delta(&c.pld, epsilon, 0.0), |c| {
                     (curve::delta(&c.pld, epsilon, 0.0) - c.wrapped_in).max(0.0)
                 })
             };
