@@ -97,6 +97,12 @@ def _no_orders(accountant: str, orders) -> None:
         raise ValueError("orders are an RDP setting; pass accountant='rdp' to use them")
 
 
+#: The largest target ε a calibration accepts. Beyond it the guarantee says nothing (e^ε ≥
+#: e^10000), and the search would spend minutes on ever coarser grids: a target of inf or 1e300
+#: is refused at once with this limit named.
+MAX_TARGET_EPSILON = 1e4
+
+
 def _target(eps: float, delta: float, accountant: str, orders) -> Tuple[float, float]:
     """The checked (ε, δ) target of a calibration, once its accountant and orders are valid."""
     check_accountant(accountant)
@@ -104,6 +110,10 @@ def _target(eps: float, delta: float, accountant: str, orders) -> Tuple[float, f
     e = _real("target_epsilon", eps)
     if not e > 0:
         raise ValueError(f"target_epsilon must be > 0, got {e}")
+    if not e <= MAX_TARGET_EPSILON:
+        raise ValueError(
+            f"target_epsilon must be at most {MAX_TARGET_EPSILON:g} (a larger ε guarantees nothing), got {e}"
+        )
     return e, check_delta(delta, "target_delta")
 
 
@@ -137,7 +147,9 @@ def calibrate_noise_multiplier(
     """Smallest noise multiplier z (to 1e-6 relative under RDP, 1e-5 under PLD, rounded up)
     such that ``steps`` Poisson-subsampled Gaussian steps have ε ≤ ``target_epsilon`` at
     ``target_delta`` under ``accountant`` ("pld": Doroshenko et al. 2022; "rdp": MTZ 2019 §3
-    with CKS 2020 Prop. 12)."""
+    with CKS 2020 Prop. 12). ``sampling_probability = 0`` samples no record (ε = 0 at any noise):
+    0.0 under every accountant. A target above :data:`MAX_TARGET_EPSILON` (inf included) is a
+    ValueError."""
     e, d = _target(target_epsilon, target_delta, accountant, orders)
     q, t = _q(sampling_probability), _steps(steps)
     z_rdp = _core.calibrate_noise_multiplier(e, d, q, float(t), check_orders(orders).tolist())

@@ -407,20 +407,23 @@ def epsilon(
     (Doroshenko et al. 2022, connect the dots; FFT composition). ``"rdp"``: RDP by Mironov, Talwar, Zhang 2019 §3 (exact sums / quadrature), composed over steps
     (Mironov 2017 Prop. 1), converted with CKS 2020 Prop. 12 over ``orders`` (default
     :data:`DEFAULT_ORDERS`) and continuously between them.
+
+    No step, ``sampling_probability = 0`` or ``noise_multiplier = inf`` give ε = 0 under every
+    accountant; ``noise_multiplier = 0`` with q > 0 gives ε = inf.
     """
     q, z = _step_params(sampling_probability, noise_multiplier)
     s = _count("steps", steps)
     d = check_delta(delta, allow_zero=accountant == "rdp")
     check_accountant(accountant)
-    if accountant == "pld":
-        if orders is not None:
-            raise ValueError("orders are an RDP setting; pass accountant='rdp' to use them")
-        if s == 0 or q == 0:
-            return 0.0
-        return _core.pld_epsilon_bounds([(q, z, float(s))], d, None, False)[1]
-    o = check_orders(orders)
-    if s == 0:
+    if accountant == "pld" and orders is not None:
+        raise ValueError("orders are an RDP setting; pass accountant='rdp' to use them")
+    o = None if accountant == "pld" else check_orders(orders)
+    # No step, an empty sample (q = 0) or infinite noise releases nothing about any record:
+    # ε = 0 under every accountant (as PldAccountant and RdpAccountant compose such events).
+    if s == 0 or q == 0 or math.isinf(z):
         return 0.0
+    if accountant == "pld":
+        return _core.pld_epsilon_bounds([(q, z, float(s))], d, None, False)[1]
     eps, order, at_edge = _core.epsilon_composition([(q, z, float(s))], [], False, o.tolist(), d)
     _warn_edge(at_edge, order, o)
     return eps

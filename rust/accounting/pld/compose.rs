@@ -80,55 +80,96 @@ impl Cgf {
 
     /// K(λ) in index units: Σ_s c_s·log Σ_k p_{s,k}·e^{λ·k}.
     fn k(&self, lambda: f64) -> f64 {
-        // Per part in parallel, summed in part order (deterministic).
+        // Each part's terms in fixed chunks, in parallel (a log-sum-exp per chunk), combined in
+        // chunk and part order: the same value whatever the threads do.
+        const CHUNK: usize = 2048;
         let per: Vec<f64> = self
             .logs
-            .par_iter()
+            .iter()
             .map(|(l, c)| {
-                let m = l
-                    .iter()
-                    .map(|&(k, v)| v + lambda * k)
-                    .fold(f64::NEG_INFINITY, f64::max);
+                let chunks: Vec<(f64, f64)> = l
+                    .par_chunks(CHUNK)
+                    .map(|ch| {
+                        let m = ch.iter().map(|&(k, v)| v + lambda * k).fold(f64::NEG_INFINITY, f64::max);
+                        if m == f64::NEG_INFINITY {
+                            return (m, 0.0);
+                        }
+                        (m, ch.iter().map(|&(k, v)| (v + lambda * k - m).exp()).sum())
+                    })
+                    .collect();
+                let m = chunks.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
                 if m == f64::NEG_INFINITY {
                     return f64::NEG_INFINITY;
                 }
-                let s: f64 = l.iter().map(|&(k, v)| (v + lambda * k - m).exp()).sum();
+                let s: f64 = chunks.iter().filter(|x| x.1 > 0.0).map(|&(mc, sc)| sc * (mc - m).exp()).sum();
                 c * (m + s.ln())
             })
             .collect();
         per.iter().sum()
     }
 
+    /// (K(λ), K'(λ), K''(λ)) in index units, as [`Cgf::k`] (indices centred on each part's
+    /// first term against cancellation in K'').
+    fn k3(&self, lambda: f64) -> (f64, f64, f64) {
+        const CHUNK: usize = 8192;
+        let mut out = (0.0f64, 0.0f64, 0.0f64);
+        for (l, c) in &self.logs {
+            if l.is_empty() {
+                return (f64::NEG_INFINITY, 0.0, 0.0);
+            }
+            let r = l[0].0;
+            let chunks: Vec<(f64, f64, f64, f64)> = l
+                .par_chunks(CHUNK)
+                .map(|ch| {
+                    let m = ch.iter().map(|&(k, v)| v + lambda * k).fold(f64::NEG_INFINITY, f64::max);
+                    let (mut s0, mut s1, mut s2) = (0.0f64, 0.0f64, 0.0f64);
+                    if m > f64::NEG_INFINITY {
+                        for &(k, v) in ch {
+                            let w = (v + lambda * k - m).exp();
+                            let d = k - r;
+                            s0 += w;
+                            s1 += w * d;
+                            s2 += w * d * d;
+                        }
+                    }
+                    (m, s0, s1, s2)
+                })
+                .collect();
+            let m = chunks.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                return (f64::NEG_INFINITY, 0.0, 0.0);
+            }
+            let (mut s0, mut s1, mut s2) = (0.0f64, 0.0f64, 0.0f64);
+            for &(mc, a, b, d) in &chunks {
+                if a > 0.0 {
+                    let e = (mc - m).exp();
+                    s0 += a * e;
+                    s1 += b * e;
+                    s2 += d * e;
+                }
+            }
+            let mean = s1 / s0;
+            out.0 += c * (m + s0.ln());
+            out.1 += c * (r + mean);
+            out.2 += c * (s2 / s0 - mean * mean).max(0.0);
+        }
+        out
+    }
+
     /// The smallest index b with finite mass above b bounded by ≤ `tau` (upper = true), or the
     /// largest a with mass below a ≤ `tau` (upper = false), and the bound achieved.
     fn bound(&self, tau: f64, upper: bool, trivial: f64) -> (f64, f64) {
         let s = if upper { 1.0 } else { -1.0 };
-        // f(λ) = (K(sλ) − log τ)/λ is unimodal in λ > 0: golden-section search on log λ.
-        let f = |ll: f64| {
-            let lam = ll.exp();
-            (self.k(s * lam) - tau.ln()) / lam
-        };
-        let (mut lo, mut hi) = ((1e-9f64).ln(), (30.0f64).ln());
-        let g = 0.5 * (5f64.sqrt() - 1.0);
-        let mut x1 = hi - g * (hi - lo);
-        let mut x2 = lo + g * (hi - lo);
-        let (mut f1, mut f2) = (f(x1), f(x2));
-        for _ in 0..28 {
-            if f1 <= f2 {
-                hi = x2;
-                x2 = x1;
-                f2 = f1;
-                x1 = hi - g * (hi - lo);
-                f1 = f(x1);
-            } else {
-                lo = x1;
-                x1 = x2;
-                f1 = f2;
-                x2 = lo + g * (hi - lo);
-                f2 = f(x2);
-            }
-        }
-        let (ll, v) = if f1 <= f2 { (x1, f1) } else { (x2, f2) };
+        // f(λ) = (K(sλ) − log τ)/λ is minimised where G(λ) = λ·s·K'(sλ) − K(sλ) + log τ = 0,
+        // G increasing (G' = λ·K''): safeguarded Newton. Any λ gives a valid bound; this one the
+        // tightest.
+        let lt = tau.ln();
+        let lam = increasing_root(1e-9, 30.0, |lam| {
+            let (k, k1, k2) = self.k3(s * lam);
+            (lam * s * k1 - k + lt, lam * k2)
+        });
+        let ll = lam.ln();
+        let v = (self.k(s * lam) - lt) / lam;
         // The index bound, no further out than the support allows.
         let idx = if upper {
             v.ceil().min(trivial)
@@ -145,6 +186,39 @@ impl Cgf {
         };
         (idx, achieved)
     }
+}
+
+/// The root in [lo, hi] of an increasing g (value and derivative), by Newton's method kept
+/// inside a shrinking bracket (a geometric bisection where Newton leaves it); lo or hi where g
+/// has no sign change there.
+fn increasing_root(lo: f64, hi: f64, g: impl Fn(f64) -> (f64, f64)) -> f64 {
+    let (mut lo, mut hi) = (lo, hi);
+    let (glo, _) = g(lo);
+    if !(glo < 0.0) {
+        return lo;
+    }
+    let (ghi, _) = g(hi);
+    if !(ghi > 0.0) {
+        return hi;
+    }
+    let mut x = (lo * hi).sqrt();
+    for _ in 0..60 {
+        let (v, d) = g(x);
+        if !v.is_finite() {
+            hi = x;
+        } else if v < 0.0 {
+            lo = x;
+        } else {
+            hi = x;
+        }
+        let newton = if d > 0.0 && v.is_finite() { x - v / d } else { f64::NAN };
+        let next = if newton > lo && newton < hi { newton } else { (lo * hi).sqrt() };
+        if (next - x).abs() <= 1e-10 * x || hi / lo < 1.0 + 1e-12 {
+            return next;
+        }
+        x = next;
+    }
+    x
 }
 
 /// What a composition is for: the tilt is chosen to centre the tilted composition there.
@@ -164,59 +238,48 @@ pub enum Target {
 pub fn choose_tilt(parts: &[Part<'_>], target: Target) -> f64 {
     let interval = parts[0].pld.interval;
     let cgf = Cgf::new(parts, true);
-    // Golden-section search of a unimodal f on log t in [1e-12, 50].
-    let search = |f: &dyn Fn(f64) -> f64| -> (f64, f64) {
-        let (mut lo, mut hi) = ((1e-12f64).ln(), (50.0f64).ln());
-        let g = 0.5 * (5f64.sqrt() - 1.0);
-        let mut x1 = hi - g * (hi - lo);
-        let mut x2 = lo + g * (hi - lo);
-        let (mut f1, mut f2) = (f(x1.exp()), f(x2.exp()));
-        for _ in 0..60 {
-            if f1 <= f2 {
-                hi = x2;
-                x2 = x1;
-                f2 = f1;
-                x1 = hi - g * (hi - lo);
-                f1 = f(x1.exp());
-            } else {
-                lo = x1;
-                x1 = x2;
-                f1 = f2;
-                x2 = lo + g * (hi - lo);
-                f2 = f(x2.exp());
-            }
-        }
-        if f1 <= f2 {
-            (x1.exp(), f1)
-        } else {
-            (x2.exp(), f2)
-        }
-    };
     let t = match target {
         Target::None => return 0.0,
         Target::Epsilon(e) => {
+            // The saddle point K'(t) = ε/Δ; none where the mean is already above it.
             let x = e / interval;
-            let f = |t: f64| cgf.k(t) - t * x;
-            let (t, v) = search(&f);
-            if v < f(0.0) {
-                t
-            } else {
+            if cgf.k3(0.0).1 >= x {
                 0.0
+            } else {
+                increasing_root(1e-12, 50.0, |t| {
+                    let (_, k1, k2) = cgf.k3(t);
+                    (k1 - x, k2)
+                })
             }
         }
         Target::Delta(d) => {
+            // The Chernoff bound's tilt: (K(t) − log δ)/t least, where t·K'(t) − K(t) + log δ = 0;
+            // none where that ε is below the mean.
             let ld = d.ln();
-            let f = |t: f64| (cgf.k(t) - ld) / t;
-            let (t, v) = search(&f);
-            // The Chernoff ε; below the mean (K'(0)) no tilt helps.
-            let h = 1e-7;
-            let mean = (cgf.k(h) - cgf.k(0.0)) / h;
-            if v > mean {
+            let t = increasing_root(1e-12, 50.0, |t| {
+                let (k, k1, k2) = cgf.k3(t);
+                (t * k1 - k + ld, t * k2)
+            });
+            if (cgf.k(t) - ld) / t > cgf.k3(0.0).1 {
                 t
             } else {
                 0.0
             }
         }
+    };
+    // Backed off by KAPPA tilted standard deviations: the density at the target falls by about
+    // e^{−KAPPA²/2}, while rare large per-step losses (which the full tilt brings forward, and
+    // which set the transform's length) lose a factor e^{−KAPPA·J/sd} for a jump J.
+    let kappa = KAPPA;
+    let t = if t > 0.0 && kappa > 0.0 {
+        let k2 = cgf.k3(t).2;
+        if k2 > 0.0 && k2.is_finite() {
+            (t - kappa / k2.sqrt()).max(0.5 * t)
+        } else {
+            t
+        }
+    } else {
+        t
     };
     // At the search's cap the loss is bounded where the target lies (its largest value is the
     // Chernoff ε): no tilt.
@@ -253,6 +316,34 @@ pub fn compose(
     pessimistic: bool,
 ) -> DpResult<Composed> {
     compose_tilted(parts, 0.0, tail_hi, tail_lo, max_bins, pessimistic, 0)
+}
+
+type Plans = (
+    std::sync::Arc<dyn realfft::RealToComplex<f64>>,
+    std::sync::Arc<dyn realfft::ComplexToReal<f64>>,
+);
+
+/// The forward and inverse real transforms of length m, from a small process-wide cache: planning
+/// (twiddle tables) costs as much as several transforms at 10⁵–10⁶ points, and a calibration or
+/// the two bounds recompose at the same lengths. Least recently used first out, at most 8.
+fn plans(m: usize) -> Plans {
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<Vec<(usize, Plans)>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
+    let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = c.iter().position(|(n, _)| *n == m) {
+        let hit = c.remove(i);
+        let p = hit.1.clone();
+        c.push(hit);
+        return p;
+    }
+    let mut planner = RealFftPlanner::<f64>::new();
+    let p: Plans = (planner.plan_fft_forward(m), planner.plan_fft_inverse(m));
+    if c.len() >= 8 {
+        c.remove(0);
+    }
+    c.push((m, p.clone()));
+    p
 }
 
 /// The unit roundoff of f64.
@@ -404,7 +495,8 @@ pub(crate) fn compose_tilted(
     // measure up to its Chernoff bound at TILTED_TOP, so that what wraps onto the atoms near the
     // target is negligible next to them; the atoms reported stop at the lower of that and the
     // untilted bound at the caller's budget (the untilted mass above goes to +∞).
-    let tail_top = if tilt > 0.0 { tail_hi.min(TILTED_TOP) } else { tail_hi };
+    let top = if pessimistic { TILTED_TOP_PESSIMISTIC } else { TILTED_TOP };
+    let tail_top = if tilt > 0.0 { tail_hi.min(top) } else { tail_hi };
     let tail_bot = if tilt > 0.0 { tail_lo.min(TILTED_TAIL) } else { tail_lo };
     let (cgf_hi, cgf_lo) = (Cgf::new(&tparts, true), Cgf::new(&tparts, false));
     let (tmin, tmax) = tparts.iter().fold((0.0f64, 0.0f64), |(a, b), p| {
@@ -444,8 +536,7 @@ pub(crate) fn compose_tilted(
     let width = (b - a + 1.0) as usize;
     let a = a as i64;
     let m = fast_len(buf_width as usize + 16);
-    let mut planner = RealFftPlanner::<f64>::new();
-    let inv = planner.plan_fft_inverse(m);
+    let inv = plans(m).1;
     let nf = m / 2 + 1;
     // Each part is centred on its mean (an integer shift) so that the phases raised to the
     // count stay small where the transform is large.
@@ -464,7 +555,7 @@ pub(crate) fn compose_tilted(
             p.pld.offset + mean.round() as i64 + jitter
         })
         .collect();
-    let Spectrum { mut spec, err, norm } = spectrum(&tparts, &shifts, m, &mut planner)?;
+    let Spectrum { mut spec, err, norm } = spectrum(&tparts, &shifts, m)?;
     // The real transform's DC and Nyquist bins must be real (the exact ones are: zeroing the
     // imaginary parts only removes error).
     spec[0].im = 0.0;
@@ -550,6 +641,10 @@ pub(crate) fn compose_tilted(
 /// changes it by less than DEAD (counted in the error bound).
 const DEAD: f64 = 1e-60;
 
+/// How far below the saddle point the tilt is set, in tilted standard deviations (see
+/// [`choose_tilt`]).
+const KAPPA: f64 = 1.0;
+
 /// The tails of the tilted measure cut from a tilted window (its bulk sits at the target; what
 /// they weigh untilted is e^{Σc − t·b} smaller).
 const TILTED_TAIL: f64 = 1e-14;
@@ -557,6 +652,11 @@ const TILTED_TAIL: f64 = 1e-14;
 /// The tilted mass above the transform's buffer: it may wrap onto any atom (subtracted from each
 /// for a lower bound), at most this much.
 const TILTED_TOP: f64 = 1e-10;
+
+/// The same for an upper bound, where what wraps is extra mass (pessimistic, never unsafe): its
+/// cost is a relative error of about this much over the tilted mass near the target (≥ 1e-3),
+/// and a shorter transform.
+const TILTED_TOP_PESSIMISTIC: f64 = 1e-7;
 
 /// The composition's transform on the m-point grid (frequencies 0..=m/2) with a certified ℓ2
 /// bound on its error over those frequencies, and its ℓ2 norm there.
@@ -583,24 +683,36 @@ struct Transformed {
 fn powered(t: &Transformed, c: f64) -> (Vec<Complex64>, f64, f64) {
     let top = t.mass + t.err;
     let grow = if top > 1.0 { ((c - 1.0).max(0.0) * (top - 1.0).ln_1p()).exp() } else { 1.0 };
-    let mut pw2 = 0.0f64;
-    let mut pmax = 0.0f64;
-    let z: Vec<Complex64> = t
+    // Per frequency in parallel; the error terms summed in order (the same whatever the threads).
+    let (z, e): (Vec<Complex64>, Vec<(f64, f64)>) = t
         .x
-        .iter()
+        .par_iter()
         .map(|&s| {
-            let p = power(s, c);
-            if c != 1.0 {
-                let r = s.norm();
-                let rel = if r > 0.0 { c * U * (8.0 + 2.0 * r.ln().abs()) + 4.0 * U } else { 0.0 };
-                let e = rel * p.norm() * (1.0 + rel);
-                pw2 += e * e;
-                pmax = pmax.max(rel);
+            if c == 1.0 {
+                return (s, (0.0, 0.0));
             }
-            p
+            // z^c in polar form: |z|^c = e^{c·log|z|} (log|z| = ½·log|z|², one more rounding,
+            // within the 8u below), the angle c·arg z.
+            let r2 = s.norm_sqr();
+            let zero = Complex64::new(0.0, 0.0);
+            if r2 == 0.0 {
+                return (zero, (0.0, 0.0));
+            }
+            let lr = 0.5 * r2.ln();
+            let mag = (c * lr).exp();
+            if mag == 0.0 {
+                return (zero, (0.0, 0.0));
+            }
+            let p = Complex64::from_polar(mag, c * s.im.atan2(s.re));
+            let rel = c * U * (8.0 + 2.0 * lr.abs()) + 4.0 * U;
+            let e = rel * mag * (1.0 + rel);
+            (p, (e * e, rel))
         })
-        .collect();
-    let err = pw2.sqrt() * (1.0 + 1e-9) + c * grow * t.err;
+        .unzip();
+    let pw2: f64 = e.iter().map(|x| x.0).sum();
+    let pmax = e.iter().map(|x| x.1).fold(0.0f64, f64::max);
+    // (a power that underflowed to 0 is off by less than 1e-300)
+    let err = pw2.sqrt() * (1.0 + 1e-9) + c * grow * t.err + (t.x.len() as f64).sqrt() * 1e-300;
     let bound = top.max(1.0).powf(c) * (1.0 + pmax) * (1.0 + 1e-9);
     (z, err, bound)
 }
@@ -614,14 +726,9 @@ fn powered(t: &Transformed, c: f64) -> (Vec<Complex64>, f64, f64) {
 /// their masses (about 1), so the frequencies it leaves below DEAD stay negligible. The
 /// other parts are transformed only at the frequencies left, 0..jn, by Bluestein's chirp-z
 /// transform (a convolution of the part's length, not the window's), where that is cheaper.
-fn spectrum(
-    parts: &[Part<'_>],
-    shifts: &[i64],
-    m: usize,
-    planner: &mut RealFftPlanner<f64>,
-) -> DpResult<Spectrum> {
+fn spectrum(parts: &[Part<'_>], shifts: &[i64], m: usize) -> DpResult<Spectrum> {
     let nf = m / 2 + 1;
-    let fwd = planner.plan_fft_forward(m);
+    let fwd = plans(m).0;
     let eta_m = fft_error(m);
     let spread: Vec<f64> = parts.iter().map(|p| p.count * variance(p.pld)).collect();
     let first = (0..parts.len())
@@ -670,7 +777,7 @@ fn spectrum(
     // (the same result whatever the threads do). Four real transforms of size p against one of
     // size m.
     let chirp = if 4 * p < m {
-        Some(ChirpZ::new(m, lmax, jn, p, planner)?)
+        Some(ChirpZ::new(m, lmax, jn, p)?)
     } else {
         None
     };
@@ -743,9 +850,8 @@ struct ChirpZ {
 }
 
 impl ChirpZ {
-    fn new(m: usize, l: usize, jn: usize, p: usize, planner: &mut RealFftPlanner<f64>) -> DpResult<Self> {
-        let fwd = planner.plan_fft_forward(p);
-        let inv = planner.plan_fft_inverse(p);
+    fn new(m: usize, l: usize, jn: usize, p: usize) -> DpResult<Self> {
+        let (fwd, inv) = plans(p);
         let n = l.max(jn);
         let w: Vec<Complex64> = (0..n).map(|t| turn((t as i128) * (t as i128), m)).collect();
         let mut kr = try_filled(p, 0.0f64)?;
@@ -844,23 +950,6 @@ impl ChirpZ {
             mass,
         })
     }
-}
-
-/// z^c for a real count c ≥ 0, in polar form.
-fn power(z: Complex64, c: f64) -> Complex64 {
-    if c == 1.0 {
-        return z;
-    }
-    let r = z.norm();
-    if r == 0.0 {
-        return Complex64::new(0.0, 0.0);
-    }
-    let mag = (c * r.ln()).exp();
-    if mag == 0.0 {
-        return Complex64::new(0.0, 0.0);
-    }
-    let th = c * z.im.atan2(z.re);
-    Complex64::from_polar(mag, th)
 }
 
 #[cfg(test)]
@@ -1102,7 +1191,7 @@ mod chirp_tests {
             plds.push(l.discretize(d, k0, k1, Bound::Pessimistic).unwrap());
         }
         let lmax = plds.iter().map(|p| p.probs.len()).max().unwrap();
-        let cz = ChirpZ::new(m, lmax, jn, fast_len(lmax + jn), &mut planner).unwrap();
+        let cz = ChirpZ::new(m, lmax, jn, fast_len(lmax + jn)).unwrap();
         for (i, p) in plds.iter().enumerate() {
             let sh = p.offset + 7 * i as i64 - 40;
             let r = direct(p, sh, m, jn);

@@ -116,6 +116,9 @@ const REFINE: f64 = 1000.0;
 /// upper one (automatic grids only), at most `LOWER_REFINES` times, each 4× finer.
 const LOWER_GAP: f64 = 0.01;
 const LOWER_REFINES: usize = 3;
+/// An automatic grid is refined to this fraction of the dominant step's loss scale (tiny q and
+/// large σ: a loss narrower than the default grid step).
+const LOSS_STEPS: f64 = 8.0;
 
 /// A lower and an upper bound, and the grid step used.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -591,6 +594,50 @@ fn directions(kinds: &[Kind]) -> Vec<Direction> {
     }
 }
 
+/// The standard deviation of one step's privacy loss (remove direction, under P), by the
+/// trapezoid rule over the output: the scale a grid must resolve. Connect the dots inflates a
+/// step's loss variance by about Δ·E|L|, so the composed ε is off by a fraction of order Δ/s.
+fn loss_std(q: f64, sigma: f64) -> f64 {
+    if q == 0.0 {
+        return 0.0;
+    }
+    let l = SubsampledGaussianLoss::new(q, sigma, Direction::Remove);
+    let (a, b, n) = (-12.0 * sigma, 1.0 + 12.0 * sigma, 4000usize);
+    let h = (b - a) / n as f64;
+    let c = 1.0 / (sigma * (2.0 * std::f64::consts::PI).sqrt());
+    let (mut m0, mut m1, mut m2) = (0.0f64, 0.0f64, 0.0f64);
+    for i in 0..=n {
+        let x = a + i as f64 * h;
+        let w = if i == 0 || i == n { 0.5 } else { 1.0 };
+        let g = |mu: f64| (-(x - mu) * (x - mu) / (2.0 * sigma * sigma)).exp() * c;
+        let p = w * ((1.0 - q) * g(0.0) + q * g(1.0));
+        let v = l.loss(x);
+        if v.is_finite() {
+            m0 += p;
+            m1 += p * v;
+            m2 += p * v * v;
+        }
+    }
+    if !(m0 > 0.0) {
+        return 0.0;
+    }
+    let mean = m1 / m0;
+    (m2 / m0 - mean * mean).max(0.0).sqrt()
+}
+
+/// The per-step loss scale of the kind that carries most of the composition's variance
+/// (count × std²): an automatic grid is refined to a LOSS_STEPS-th of it.
+fn dominant_scale(kinds: &[Kind]) -> f64 {
+    kinds
+        .iter()
+        .map(|k| {
+            let s = loss_std(k.lower.0, k.lower.1);
+            (k.count * s * s, s)
+        })
+        .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a })
+        .1
+}
+
 /// The grid step for these kinds (see the module docs).
 fn choose_interval(kinds: &[Kind], dirs: &[Direction], opts: &Options, tail: f64) -> DpResult<f64> {
     if let Some(d) = opts.interval {
@@ -598,7 +645,10 @@ fn choose_interval(kinds: &[Kind], dirs: &[Direction], opts: &Options, tail: f64
         return Ok(d);
     }
     let w = window_width(kinds, dirs, tail)?;
-    let mut d = DEFAULT_INTERVAL.min(w / TARGET_BINS).max(MIN_INTERVAL);
+    // A step's loss narrower than a few grid steps (small q, large σ) is blurred by connect the
+    // dots, by a fraction of order Δ/s of ε: at most s/LOSS_STEPS.
+    let s = dominant_scale(kinds) / LOSS_STEPS;
+    let mut d = DEFAULT_INTERVAL.min(w / TARGET_BINS).min(if s > 0.0 { s } else { f64::INFINITY }).max(MIN_INTERVAL);
     if w / d > 0.9 * opts.max_bins as f64 {
         d = w / (0.9 * opts.max_bins as f64);
     }
