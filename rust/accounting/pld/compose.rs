@@ -605,9 +605,9 @@ pub(crate) fn compose_tilted(
     };
     let mut probs = try_filled(width, 0.0f64)?;
     if pessimistic {
-        for (i, (p, &y)) in probs.iter_mut().zip(raw.iter()).enumerate() {
+        probs.par_iter_mut().zip(raw.par_iter()).enumerate().for_each(|(i, (p, &y))| {
             *p = untilt(y + floor, a + i as i64, true);
-        }
+        });
         // Mass above the window goes to +∞ (its wrapped copy inside the window is extra mass);
         // untilted, the tilted mass `above` at indices > b weighs at most e^{Σ c − t·(b+1)}.
         // Atoms that underflowed to 0 untilted (each below the smallest normal).
@@ -619,9 +619,9 @@ pub(crate) fn compose_tilted(
         // Mass from outside the buffer may have wrapped onto any atom: at most `above` and
         // `below` (tilted) on each; removed with the rounding bound.
         let cut = floor + above + below;
-        for (i, (p, &y)) in probs.iter_mut().zip(raw.iter()).enumerate() {
+        probs.par_iter_mut().zip(raw.par_iter()).enumerate().for_each(|(i, (p, &y))| {
             *p = untilt(y - cut, a + i as i64, false);
-        }
+        });
     }
     Ok(Composed {
         pld: DiscretePld {

@@ -691,12 +691,17 @@ fn bounds_pass(
     want: (bool, bool),
     target: Target,
     fixed: bool,
-    upper: impl Fn(&Composed) -> f64,
-    lower: impl Fn(&Composed) -> f64,
+    upper: impl Fn(&Composed) -> f64 + Sync,
+    lower: impl Fn(&Composed) -> f64 + Sync,
 ) -> DpResult<(f64, f64, usize)> {
     let (mut up, mut lo, mut bins) = (0.0f64, 0.0f64, 0usize);
-    for &dir in dirs {
-        let p = composed(kinds, dir, d, tail, want, max_bins, target, fixed)?;
+    // The directions are independent: composed side by side (results taken in order).
+    let passes: Vec<DpResult<Pass>> = dirs
+        .par_iter()
+        .map(|&dir| composed(kinds, dir, d, tail, want, max_bins, target, fixed))
+        .collect();
+    for p in passes {
+        let p = p?;
         if let Some(c) = &p.upper {
             up = up.max(upper(c));
         }
