@@ -72,13 +72,6 @@ impl Composition {
         let mut steps = Vec::with_capacity(poisson.len() + wor.len());
         for &(q, z, c) in poisson {
             check_count(c)?;
-            rdp_poisson::check_q(q, "sampling_probability")?;
-            rdp_poisson::check_z(z, "noise_multiplier")?;
-            // Infinite noise, an empty sample or no step releases nothing: RDP 0 at every order
-            // (as PldAccountant and RdpAccountant treat them).
-            if z == f64::INFINITY || q == 0.0 || c == 0.0 {
-                continue;
-            }
             steps.push((Step::Poisson(SubsampledGaussian::new(q, z)?), c));
         }
         for &(_, z, c) in wor {
@@ -87,7 +80,6 @@ impl Composition {
         }
         let built: Vec<DpResult<(Step, f64)>> = wor
             .par_iter()
-            .filter(|&&(_, z, c)| z != f64::INFINITY && c != 0.0)
             .map(|&(g, z, c)| {
                 Ok((
                     Step::WithoutReplacement(WithoutReplacementGaussian::new(g, z, max_order)?),

@@ -28,6 +28,29 @@ pub struct Composed {
     pub noise_floor: f64,
     /// The tilt t (per grid step) the composition was computed under.
     pub tilt: f64,
+    /// Σ_s c_s·log-scale of the tilted parts: an atom J untilted is its tilted value times
+    /// e^{log_scale − t·J}.
+    pub log_scale: f64,
+}
+
+impl Composed {
+    /// How much of δ(ε) the rounding bound alone accounts for (pessimistic compositions): the
+    /// floor added to every atom above ε, untilted, weighted by (1 − e^{ε − ℓ}).
+    pub fn floor_delta(&self, eps: f64) -> f64 {
+        let h = self.pld.interval;
+        let first = ((eps / h).floor() as i64 + 1).max(self.pld.offset);
+        let last = self.pld.offset + self.pld.probs.len() as i64 - 1;
+        if first > last {
+            return 0.0;
+        }
+        let t = self.tilt;
+        if t > 0.0 {
+            // Σ_{J ≥ first} e^{S − tJ}(1 − e^{ε − Jh}) ≤ e^{S − t·first}·(1/(1 − e^{−t}))
+            (self.log_scale - t * first as f64).exp() * self.noise_floor / (-(-t).exp_m1())
+        } else {
+            self.noise_floor * (last - first + 1) as f64
+        }
+    }
 }
 
 /// One part of a composition: a PLD repeated `count` times.
@@ -634,6 +657,7 @@ pub(crate) fn compose_tilted(
         wrapped_in: excess,
         noise_floor: floor,
         tilt,
+        log_scale: log_total,
     })
 }
 

@@ -473,7 +473,26 @@ fn composed(
         tilted(&parts, tail, max_bins, pess, target, fixed || !pess)
     };
     let upper = if pessimistic {
-        Some(run(|s| s.0.as_ref(), true)?)
+        let c = run(|s| s.0.as_ref(), true)?;
+        // One kind of step and ε asked for: where the rounding bound carries δ (a single tilt
+        // cannot serve both the bulk and the rare large losses), the composition split by the
+        // number of large losses may be tighter; the smaller certified value is kept.
+        match (target, &steps[..]) {
+            (Target::Delta(d), [(Some(step), _)]) if kinds[0].is_plain() => {
+                let e1 = curve::epsilon(&c.pld, d, 0.0);
+                // What the rounding bound costs in ε: at most ε(δ) − ε(δ + its share of δ).
+                let cost = |e: f64| e - curve::epsilon(&c.pld, d + c.floor_delta(e), 0.0);
+                if e1.is_finite() && e1 > 0.0 && cost(e1) > 3e-3 * e1 {
+                    match split_by_jumps(step, kinds[0].count, tail, max_bins, d, e1) {
+                        Some(s) if curve::epsilon(&s.pld, d, 0.0) < e1 => Some(s),
+                        _ => Some(c),
+                    }
+                } else {
+                    Some(c)
+                }
+            }
+            _ => Some(c),
+        }
     } else {
         None
     };
@@ -492,6 +511,143 @@ fn composed(
         lower,
         step_bins,
     })
+}
+
+/// The T-fold composition of one step split by its large losses: with B the step's atoms up to
+/// a cut and J those above it (sub-measures, w = J's mass), (B + J)^{*T} = Σ_k C(T, k)·B^{*(T−k)}
+/// * J^{*k} exactly. Each term is composed by [`compose_tilted`] with its own tilt (B alone has
+/// no rare large losses: a strong tilt serves it), the terms k ≤ K are added atom by atom (each
+/// an upper bound), and the rest, at most C(T, K+1)·w^{K+1} ≤ (T·w)^{K+1}/(K+1)!, goes to +∞.
+/// Cuts at ε₁/4, ε₁/16 and ε₁/64 (ε₁ the single-tilt value) are tried; None if no cut gives a
+/// valid composition (K ≤ 4 terms, the answer above every term's window).
+fn split_by_jumps(step: &DiscretePld, count: f64, tail: f64, max_bins: usize, delta: f64, e1: f64) -> Option<Composed> {
+    let h = step.interval;
+    let n = step.probs.len() as i64;
+    let mut best: Option<(f64, Composed)> = None;
+    for frac in [0.25, 1.0 / 16.0, 1.0 / 64.0] {
+        let ci = ((e1 * frac / h).floor() as i64 - step.offset).clamp(0, n);
+        if ci <= 0 || ci >= n - 1 {
+            continue;
+        }
+        let cut = ci as usize;
+        let b = DiscretePld {
+            interval: h,
+            offset: step.offset,
+            probs: step.probs[..cut].to_vec(),
+            inf_mass: 0.0,
+            excess: 0.0,
+        };
+        let j = DiscretePld {
+            interval: h,
+            offset: step.offset + ci,
+            probs: step.probs[cut..].to_vec(),
+            inf_mass: 0.0,
+            excess: 0.0,
+        };
+        let w: f64 = j.probs.iter().sum::<f64>() * (1.0 + 1e-12);
+        if !(w > 0.0) {
+            continue;
+        }
+        // K: the fewest terms whose remainder (T·w)^{K+1}/(K+1)! is below 1e-3·δ.
+        let ltw = (count * w).ln();
+        let mut lf = 0.0f64;
+        let mut kk = None;
+        for k in 0..=4usize {
+            lf += ((k + 1) as f64).ln();
+            let rem = (k + 1) as f64 * ltw - lf;
+            if rem <= (1e-3 * delta).ln() {
+                kk = Some((k, rem.exp() * (1.0 + 1e-9)));
+                break;
+            }
+        }
+        let Some((kmax, rest)) = kk else { continue };
+        // First each term tilted to where it alone would carry δ (term k weighs C(T, k)), then
+        // all tilted to the combined answer.
+        let mut guess = f64::NAN;
+        for _ in 0..2 {
+            let mut terms = Vec::new();
+            let mut ok = true;
+            for k in 0..=kmax {
+                let kf = k as f64;
+                if kf > count {
+                    break;
+                }
+                let mut parts = Vec::new();
+                if count - kf > 0.0 {
+                    parts.push(Part { pld: &b, count: count - kf });
+                }
+                if k > 0 {
+                    parts.push(Part { pld: &j, count: kf });
+                }
+                // C(T, k), exactly enough (k ≤ 4), rounded up.
+                let mut binom = 1.0f64;
+                for i in 0..k {
+                    binom *= (count - i as f64) / (i + 1) as f64;
+                }
+                let target = if guess.is_finite() { Target::Epsilon(guess) } else { Target::Delta(delta / binom) };
+                let t = choose_tilt(&parts, target);
+                // The term's tails weigh C(T, k) times: their budget is divided by it.
+                let tt = (tail / binom).max(1e-300);
+                let Ok(c) = compose_tilted(&parts, t, tt, tt, max_bins, true, 0) else {
+                    ok = false;
+                    break;
+                };
+                terms.push((c, binom * (1.0 + 1e-12)));
+            }
+            if !ok || terms.is_empty() {
+                break;
+            }
+            let lo = terms.iter().map(|(c, _)| c.pld.offset).min().unwrap_or(0);
+            let hi = terms.iter().map(|(c, _)| c.pld.offset + c.pld.probs.len() as i64).max().unwrap_or(1);
+            if hi - lo > 2 * max_bins as i64 {
+                break;
+            }
+            let mut probs = vec![0.0f64; (hi - lo) as usize];
+            let mut inf = -((-step.inf_mass).ln_1p() * count).exp_m1() + rest;
+            for (c, s) in &terms {
+                for (i, &v) in c.pld.probs.iter().enumerate() {
+                    probs[(c.pld.offset - lo) as usize + i] += v * s;
+                }
+                inf += c.pld.inf_mass * s;
+            }
+            for p in probs.iter_mut() {
+                *p = (*p * (1.0 + 1e-12)).min(1.0);
+            }
+            let pld = DiscretePld {
+                interval: h,
+                offset: lo,
+                probs,
+                inf_mass: inf.min(1.0),
+                excess: 0.0,
+            };
+            let e = curve::epsilon(&pld, delta, 0.0);
+            // Every term must hold the atoms the answer reads (those above it).
+            if !e.is_finite() {
+                break;
+            }
+            if !terms.iter().all(|(c, _)| c.tilt == 0.0 || e >= (c.pld.offset + 1) as f64 * h) {
+                guess = e;
+                continue;
+            }
+            if best.as_ref().map_or(true, |(b, _)| e < *b) {
+                best = Some((
+                    e,
+                    Composed {
+                        pld,
+                        wrapped_in: 0.0,
+                        noise_floor: terms.iter().map(|(c, _)| c.noise_floor).fold(0.0, f64::max),
+                        tilt: 0.0,
+                        log_scale: 0.0,
+                    },
+                ));
+            }
+            if guess.is_finite() && (e - guess).abs() <= 1e-3 * guess {
+                break;
+            }
+            guess = e;
+        }
+    }
+    best.map(|(_, c)| c)
 }
 
 /// One composition, tilted towards `target`. A pessimistic composition whose answer falls

@@ -370,21 +370,16 @@ fn add_direction_near_its_largest_loss_keeps_its_mass() {
 #[test]
 #[ignore]
 fn debug_tilt() {
-    for &(q, s, t, d) in &[(1e-4, 0.8, 100000.0, 1e-6)] {
+    for &(q, s, t, d) in &[(1e-5, 0.8, 100000.0, 1e-11)] {
         for dir in [Direction::Remove, Direction::Add] {
-            for h in [2.5e-5, 6.25e-6, 1.5625e-6] {
+            for h in [1e-4, 1e-5] {
                 let k = vec![Kind::poisson(q, s, t)];
                 let tail = 1e-4 * d;
-                for want in [(false, true)] {
-                    let p = composed(&k, dir, h, tail, want, 1 << 21, Target::Delta(d)).unwrap();
-                    let c = p.upper.as_ref().or(p.lower.as_ref()).unwrap();
-                    let e = curve::epsilon(&c.pld, d + c.wrapped_in, 0.0);
-                    let p0 = composed(&k, dir, 1e-4, tail, want, 1 << 21, Target::None).unwrap();
-                    let c0 = p0.upper.as_ref().or(p0.lower.as_ref()).unwrap();
-                    let e0 = curve::epsilon(&c0.pld, d + c0.wrapped_in, 0.0);
-                    println!("{q} {s} {t} {d} {dir:?} h={h} pess={} tilt={} floor={:e} width={} eps={e} untilted={e0} floor0={:e}", want.0, c.tilt, c.noise_floor, c.pld.probs.len(), c0.noise_floor);
-                    for x in [0.0, 0.1, 0.2, 0.25, 0.3, 0.5, 1.0] { println!("   d({x}) = {:e} / {:e}; wrapped {:e}", curve::delta(&c.pld, x, 0.0), curve::delta(&c0.pld, x, 0.0), c.wrapped_in); }
-                }
+                let p = composed(&k, dir, h, tail, (true, false), 1 << 21, Target::Delta(d), false).unwrap();
+                let c = p.upper.as_ref().unwrap();
+                let e = curve::epsilon(&c.pld, d, 0.0);
+                println!("{dir:?} h={h} tilt={} floor={:e} width={} offset={} inf={:e} eps={e}", c.tilt, c.noise_floor, c.pld.probs.len(), c.pld.offset, c.pld.inf_mass);
+                for x in [0.05, 0.0674, 0.1, 0.2, 0.3] { println!("   d({x}) = {:e}", curve::delta(&c.pld, x, 0.0)); }
             }
         }
     }
