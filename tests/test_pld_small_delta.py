@@ -24,6 +24,11 @@ ISSUE_TABLE = [
     (5e-4, 0.35, 44045, 1e-10, None, 42.0939),
     (2.45e-4, 0.45, 100000, 1e-10, None, 12.2388),
     (0.01, 1.1, 10000, 1e-12, None, 8.716669),
+    # from the scan (benches/scan_pld_small_delta.py): tiny q, a narrow bulk and rare large losses
+    (1e-5, 0.8, 100000, 1e-11, 0.06634, 0.06735),
+    (1e-5, 0.3, 10000, 1e-9, 12.36463, 12.39005),
+    (1e-3, 0.8, 100000, 1e-9, 3.78876, 3.79647),
+    (1e-2, 2.0, 1000000, 1e-9, 45.41290, 45.50480),
 ]
 
 
@@ -32,8 +37,8 @@ def test_issue_table_above_the_certified_lower_bound_and_within_half_a_percent(q
     e = A.epsilon(q, z, t, d)
     if lower is not None:
         assert e >= lower, (e, lower)
-    # the converged references are estimates to their last digit: never below them by more
-    assert e >= tight * (1 - 2e-5), (e, tight)
+    # the converged references are estimates (PRV's to ±0.1%): never below them by more
+    assert e >= tight * (1 - 2e-3 if lower is not None else 1 - 2e-5), (e, tight)
     assert e <= tight * 1.005, (e, tight)
     # the accountant object and the function agree
     acc = A.PldAccountant().compose(A.PoissonSampledEvent(q, A.GaussianEvent(z)), t)

@@ -26,7 +26,12 @@ The math runs in Rust (``rust/accounting/pld``):
   reasoning: ``rust/accounting/pld/truncated.rs``.
 * Composition by FFT (Koskela, Jälkö, Honkela 2020, arXiv:1906.03049), T identical steps as a
   T-th power of the transform; mass cut from the window is bounded by Chernoff and moved to
-  the +∞ atom.
+  the +∞ atom. The transform's floating-point rounding is bounded (Higham 2002, Theorem 24.2,
+  carried through the powers and products) and added to every atom, so that ε is an upper bound
+  rounding included; the composition runs under an exponential tilt centred on the ε sought
+  (the rounding then a relative error of the tail δ sums), split by the number of large losses
+  where one tilt cannot serve both a narrow bulk and rare large losses (``rust/accounting/pld/
+  compose.rs``, ``mod.rs``).
 * ε(δ), δ(ε) from the hockey-stick divergence (Sommer, Meiser, Mohammadi 2019, Theorem 1).
 * Without subsampling the composition is one Gaussian mechanism, and ε comes from the analytic
   formula (Balle & Wang 2018, arXiv:1805.06530, Theorem 8).

@@ -1065,7 +1065,7 @@ mod tests {
             pld: &p,
             count: n as f64,
         }];
-        for &centre in &[200usize, 300, 400, 520] {
+        for &centre in &[260usize, 300, 400, 520] {
             let t = choose_tilt(&parts, Target::Epsilon(centre as f64 * p.interval));
             assert!(t > 0.0);
             let up = compose_tilted(&parts, t, 1e-300, 1e-300, 1 << 20, true, 0).unwrap();
