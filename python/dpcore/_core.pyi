@@ -28,6 +28,7 @@ __all__ = [
     "mf_advance_and_draw",
     "pld_epsilon_bounds",
     "pld_delta_bounds",
+    "pld_compose",
     "truncated_poisson_mixture",
     "rdp_poisson_subsampled_gaussian",
     "rdp_composition",
@@ -265,6 +266,18 @@ def pld_epsilon_bounds(
     """(lower, upper, grid interval) of ε at δ for Poisson-subsampled Gaussian groups (q, z, count)
     and truncated-Poisson ones (q, z, max_sample_size, population_size, count) under
     add-or-remove, by privacy loss distributions. `lower = false` skips the lower bound."""
+def pld_compose(
+    parts: List[Tuple[int, npt.NDArray[np.float64], float, float, float]],
+    interval: float,
+    tail: float,
+    max_bins: int,
+    pessimistic: bool,
+    target: Optional[Tuple[str, float]] = ...,
+    halve: bool = ...,
+) -> Tuple[int, npt.NDArray[np.float64], float, float]:
+    """The certified composition of discrete PLDs (tilted towards `target`, ("delta", δ) or
+    ("epsilon", ε), the transform's rounding bounded): (offset, atoms, mass at +∞, mass to
+    subtract from δ for a lower bound)."""
 def pld_delta_bounds(
     groups: List[Tuple[float, float, float]],
     epsilon: float,
