@@ -7,7 +7,7 @@ upper bound, rounding included), PRV's certified lower bound, estimate and upper
 0.01·ε-scale, delta_error δ/1000), the ratio of dpcore to PRV's estimate, and whether dpcore is at or
 above PRV's lower bound (it must be). Runs where PRV fails or is refused are reported as such.
 
-Run: pip install prv-accountant; python benches/scan_pld_small_delta.py [--all]
+Run: pip install ".[bench]" (it holds prv-accountant); python benches/scan_pld_small_delta.py [--all]
 """
 
 import argparse
