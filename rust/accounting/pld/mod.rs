@@ -486,8 +486,20 @@ fn composed(
                 // What the rounding bound costs in ε: at most ε(δ) − ε(δ + its share of δ).
                 let cost = |e: f64| e - curve::epsilon(&c.pld, d + c.floor_delta(e), 0.0);
                 if e1.is_finite() && e1 > 0.0 && cost(e1) > 5e-2 * e1 {
-                    match split_by_jumps(step, kinds[0].count, tail, max_bins, d, e1) {
+                    match split_by_jumps(step, kinds[0].count, tail, max_bins, Target::Delta(d), e1) {
                         Some(s) if curve::epsilon(&s.pld, d, 0.0) < e1 => Some(s),
+                        _ => Some(c),
+                    }
+                } else {
+                    Some(c)
+                }
+            }
+            (Target::Epsilon(e), [(Some(step), _)]) if kinds[0].is_plain() && e > 0.0 => {
+                // The same for δ at ε: where the rounding bound carries more than 5% of δ.
+                let d1 = curve::delta(&c.pld, e, 0.0);
+                if d1 > 0.0 && c.floor_delta(e) > 5e-2 * d1 {
+                    match split_by_jumps(step, kinds[0].count, tail, max_bins, Target::Epsilon(e), d1) {
+                        Some(s) if curve::delta(&s.pld, e, 0.0) < d1 => Some(s),
                         _ => Some(c),
                     }
                 } else {
@@ -523,12 +535,20 @@ fn composed(
 /// an upper bound), and the rest, at most C(T, K+1)·w^{K+1} ≤ (T·w)^{K+1}/(K+1)!, goes to +∞.
 /// Cuts at ε₁/4, ε₁/16 and ε₁/64 (ε₁ the single-tilt value) are tried; None if no cut gives a
 /// valid composition (K ≤ 4 terms, the answer above every term's window).
-fn split_by_jumps(step: &DiscretePld, count: f64, tail: f64, max_bins: usize, delta: f64, e1: f64) -> Option<Composed> {
+fn split_by_jumps(step: &DiscretePld, count: f64, tail: f64, max_bins: usize, want: Target, e1: f64) -> Option<Composed> {
+    // ε at δ (the cuts and terms' tilts follow the answer), or δ at a fixed ε (one pass, the
+    // terms tilted to it; the remainder's budget then taken from a first untilted estimate).
+    // (`e1`: the single-tilt ε for ε at δ; the single-tilt δ for δ at ε.)
+    let (delta, fixed_eps, scale) = match want {
+        Target::Delta(d) => (d, None, e1),
+        Target::Epsilon(e) => (e1, Some(e), e),
+        Target::None => return None,
+    };
     let h = step.interval;
     let n = step.probs.len() as i64;
     let mut best: Option<(f64, Composed)> = None;
     for frac in [0.25, 1.0 / 16.0, 1.0 / 64.0] {
-        let ci = ((e1 * frac / h).floor() as i64 - step.offset).clamp(0, n);
+        let ci = ((scale * frac / h).floor() as i64 - step.offset).clamp(0, n);
         if ci <= 0 || ci >= n - 1 {
             continue;
         }
@@ -566,7 +586,7 @@ fn split_by_jumps(step: &DiscretePld, count: f64, tail: f64, max_bins: usize, de
         let Some((kmax, rest)) = kk else { continue };
         // First each term tilted to where it alone would carry δ (term k weighs C(T, k)), then
         // all tilted to the combined answer.
-        let mut guess = f64::NAN;
+        let mut guess = fixed_eps.unwrap_or(f64::NAN);
         for _ in 0..2 {
             let mut terms = Vec::new();
             let mut ok = true;
@@ -623,6 +643,18 @@ fn split_by_jumps(step: &DiscretePld, count: f64, tail: f64, max_bins: usize, de
                 inf_mass: inf.min(1.0),
                 excess: 0.0,
             };
+            if let Some(fe) = fixed_eps {
+                // δ at the given ε: every tilted term must hold the atoms above it.
+                let valid = terms.iter().all(|(c, _)| c.tilt == 0.0 || fe >= (c.pld.offset + 1) as f64 * h);
+                let dv = curve::delta(&pld, fe, 0.0);
+                if valid && best.as_ref().map_or(true, |(b, _)| dv < *b) {
+                    best = Some((
+                        dv,
+                        Composed { pld, wrapped_in: 0.0, noise_floor: 0.0, tilt: 0.0, log_scale: 0.0 },
+                    ));
+                }
+                break;
+            }
             let e = curve::epsilon(&pld, delta, 0.0);
             // Every term must hold the atoms the answer reads (those above it).
             if !e.is_finite() {
@@ -667,7 +699,7 @@ fn tilted(
     let mut t = choose_tilt(parts, target);
     // A strong tilt can make rare large losses the bulk of the tilted measure, and its buffer
     // too large. With `halve` the tilt is halved (less tight, still certified) up to three
-    // times; otherwise the error goes back to the caller, which coarsens an automatic grid
+    // times, then dropped; otherwise the error goes back to the caller, which coarsens an automatic grid
     // (at the same ε, a coarser grid costs less tightness than a weaker tilt).
     let mut halvings = 0;
     for attempt in 0..=8 {
@@ -676,9 +708,10 @@ fn tilted(
         }
         let c = match compose_tilted(parts, t, tail, tail, max_bins, pessimistic, 0) {
             Ok(c) => c,
-            Err(DpError::GridTooLarge { .. }) if halve && t > 0.0 && halvings < 3 => {
+            Err(DpError::GridTooLarge { .. }) if halve && t > 0.0 => {
+                // then untilted, whose window is the smallest
                 halvings += 1;
-                t /= 2.0;
+                t = if halvings > 3 { 0.0 } else { t / 2.0 };
                 continue;
             }
             Err(e) => return Err(e),
