@@ -68,6 +68,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import opcount as _opcount
 from .._validate import real as _real
 from ..mechanism import _noise_shape, _seed
 
@@ -292,8 +293,9 @@ def _chunk_words(
     stream_lo = c.bitwise_and(0xFFFFFFFF).to(torch.int32).repeat_interleave(blocks)
     zero = torch.zeros((), dtype=torch.int32, device=device)
     stream_hi = torch.tensor(_i32(_NOISE_DOMAIN << 24 | part), dtype=torch.int32, device=device)
-    x = _block_function(device, fused)(key_words, counter_lo, zero.expand(counter_lo.shape), stream_lo,
-                                       stream_hi.expand(counter_lo.shape))
+    with _opcount.fused("chacha20_block"):
+        x = _block_function(device, fused)(key_words, counter_lo, zero.expand(counter_lo.shape), stream_lo,
+                                           stream_hi.expand(counter_lo.shape))
     return _word_major(x, chunks)
 
 
@@ -430,8 +432,10 @@ def _rows_words(
     blocks = _BLOCKS_PER_CHUNK
     counter_lo = torch.arange(blocks, dtype=torch.int32, device=device).repeat(k)
     zero = torch.zeros((), dtype=torch.int32, device=device)
-    x = _block_function(device, fused)(key_words, counter_lo, zero.expand(counter_lo.shape),
-                                       stream_lo.repeat_interleave(blocks), stream_hi.repeat_interleave(blocks))
+    lo = stream_lo.repeat_interleave(blocks, output_size=k * blocks)
+    hi = stream_hi.repeat_interleave(blocks, output_size=k * blocks)
+    with _opcount.fused("chacha20_block"):  # one compiled kernel on an accelerator
+        x = _block_function(device, fused)(key_words, counter_lo, zero.expand(counter_lo.shape), lo, hi)
     return _word_major(x, k)
 
 
