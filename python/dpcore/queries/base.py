@@ -101,6 +101,13 @@ class DPQuery:
     def merge_norm_states(self, norm_state_1: Any, norm_state_2: Any) -> Any:
         return norm_state_1
 
+    @property
+    def reads_norms(self) -> bool:
+        """Whether :meth:`accumulate_norms` uses the records' norms (adaptive clipping's count):
+        an adapter on an accelerator then reads them back to the host every step; a query that
+        keeps the default :meth:`accumulate_norms` needs no such read."""
+        return type(self).accumulate_norms is not DPQuery.accumulate_norms
+
     #: True when :meth:`get_noised_plan` is a function of the global state alone (no norm
     #: state, no randomness): callers on several processes may then each compute it.
     plan_from_global_state: bool = False

@@ -139,6 +139,10 @@ class MicrobatchQuery(DPQuery):
     def initial_norm_state(self) -> Any:
         return self._inner.initial_norm_state()
 
+    @property
+    def reads_norms(self) -> bool:
+        return self._inner.reads_norms
+
     def accumulate_norms(self, params: Any, norm_state: Any, norms: np.ndarray) -> Any:
         return self._inner.accumulate_norms(params, norm_state, norms)
 

@@ -163,6 +163,7 @@ class QueryGroups:
             for g in self.groups
         ]
         self.pending: Optional[List[Tuple[ReleasePlan, Any]]] = None
+        self._wcache: Dict[Any, torch.Tensor] = {}
 
     def groups_of(self, mechanism: str) -> List[int]:
         return [gi for gi, m in enumerate(self.mechanisms) if m == mechanism]
@@ -199,12 +200,15 @@ class QueryGroups:
         factors: List[Optional[torch.Tensor]] = [None] * len(sq)
         if b == 0:
             return 0, factors
+        # A device mask, never read on the host (a synchronisation, and control flow on the
+        # data): the records it marks get factor 0 and their stored factors zeroed, whatever it
+        # holds. on_nonfinite="raise" reads it, by design (a debugging aid, not DP).
         bad = engine.nonfinite
         if bad is not None:
-            if on_nonfinite == "raise":
+            if on_nonfinite == "raise" and bool(bad.any()):
                 i = int(torch.nonzero(bad)[0, 0])
                 engine.clear()
-                raise nonfinite_error(i, engine.loss_scale)
+                raise nonfinite_error(i, float(engine.loss_scale))
             engine.zero_records()
         dev = next((s.device for s in sq if s is not None), torch.device("cpu"))
         if bad is not None:
@@ -212,38 +216,71 @@ class QueryGroups:
         # The clipped sums apply c_i/denominator·(records/loss scale) in float32: with every
         # factor ≥ 2⁻¹⁰⁰·max(1, S·den) that product stays ≥ 2⁻¹⁰⁰, far inside float32's normal
         # range (see clip_factors). The floor depends on the record's norm and public constants
-        # only (the loss scale follows the scaler's data-independent schedule).
-        loss_scale = float(engine.loss_scale)
+        # only (the loss scale follows the scaler's data-independent schedule; a device tensor
+        # under a GradScaler, never read on the host).
+        loss_scale = engine.loss_scale
         states = []
+        live = [k for k, s in enumerate(sq) if s is not None]
         for g, margin in zip(self.groups, self.margins):
             plan = g.plan()
-            tot = torch.zeros(b, dtype=torch.float64, device=dev)
-            for k, a in zip(g.members, plan.part_scales):
-                if sq[k] is not None:
-                    tot = tot + (sq[k] if a == 1.0 else sq[k] / (a * a))
-            if bad is not None:
-                tot = tot.masked_fill(bad, 0.0)
+            tot = self._total(engine, g, plan, sq, live, b, dev)
             # 1/denominator folded into the factors (and the noise): the release is one add. A
             # discrete release rounds the undivided sum onto its grid, so it divides afterwards.
             den = float(plan.denominator) if plan.mechanism in DIVIDED else 1.0
-            floor = MIN_FACTOR * max(1.0, loss_scale * den)
-            c = clip_factors(tot, plan.l2_norm_clip, margin, min_factor=floor)
-            if bad is not None:
-                c = c.masked_fill(bad, 0.0)
-            if plan.mechanism in DIVIDED:
-                c = c / plan.denominator
+            if isinstance(loss_scale, torch.Tensor):
+                floor: Any = torch.clamp(loss_scale.to(dev, torch.float64) * den, min=1.0) * MIN_FACTOR
+            else:
+                floor = MIN_FACTOR * max(1.0, float(loss_scale) * den)
+            c = clip_factors(tot, plan.l2_norm_clip, margin, min_factor=floor, bad=bad,
+                             scale=1.0 / plan.denominator if plan.mechanism in DIVIDED else 1.0)
             for k in g.members:
                 factors[k] = c
             # what the query derives from the records' norms (adaptive clipping's count): a
-            # zeroed record counts as above any clip
-            norms = tot.sqrt()
-            if bad is not None:
-                norms = norms.masked_fill(bad, float("inf"))
-            states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms.cpu().numpy()))
+            # zeroed record counts as above any clip. Read on the host only for a query that
+            # uses them (a synchronisation on an accelerator).
+            if g.query.reads_norms:
+                norms = tot.sqrt()
+                if bad is not None:
+                    norms = norms.masked_fill(bad, float("inf"))
+                states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms.cpu().numpy()))
+            else:
+                states.append(g.ns)
         if commit:
             for g, st in zip(self.groups, states):  # only once every group passed its checks
                 g.ns = st
         return b, factors
+
+    def _weights(self, dev: torch.device, scales: Tuple[float, ...]) -> torch.Tensor:
+        """1/α_j² per member as a (P, 1) float64 tensor on ``dev``, made once per scales (a
+        tensor built from host values in the step would be a copy that waits on the device)."""
+        key = (dev, scales)
+        w = self._wcache.get(key)
+        if w is None:
+            w = self._wcache[key] = torch.tensor([1.0 / (a * a) for a in scales], dtype=torch.float64,
+                                                 device=dev).view(-1, 1)
+        return w
+
+    def _total(self, engine: Any, g: Any, plan: Any, sq: List[Optional[torch.Tensor]], live: List[int], b: int,
+               dev: torch.device) -> torch.Tensor:
+        """Σ_j ‖g_ij‖²/α_j² over the group's members: the engine's total when the group holds
+        every parameter with a norm at scale 1 (flat clipping), else one stacked product; the
+        records of :attr:`nonfinite` may hold anything (their factor is 0 whatever this holds)."""
+        mine = [(k, a) for k, a in zip(g.members, plan.part_scales) if sq[k] is not None]
+        total = getattr(engine, "sq_total", None)
+        if not mine:
+            tot = torch.zeros(b, dtype=torch.float64, device=dev)
+        elif total is not None and len(mine) == len(live) and all(a == 1.0 for _, a in mine):
+            tot = total
+        elif len(mine) == 1:
+            k, a = mine[0]
+            tot = sq[k] if a == 1.0 else sq[k] / (a * a)
+        else:
+            st = torch.stack([sq[k].to(dev) for k, _ in mine])
+            scales = tuple(a for _, a in mine)
+            if any(a != 1.0 for a in scales):
+                st = st * self._weights(dev, scales)
+            tot = st.sum(0)
+        return tot
 
     # -- the release's plans ------------------------------------------------------------
 

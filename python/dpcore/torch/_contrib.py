@@ -333,35 +333,38 @@ class Rows(Contribution):
         return out.reshape(n, v, d), err
 
     def sq_norms(self) -> torch.Tensor:
+        """Each record's squared norm: rows of one record that look up the same token add up,
+        so the positions are grouped by (record, token) and each group summed in float64.
+
+        The groups are found by sorting the keys record·V + token: a group starts where the
+        sorted key changes, and its index is the running count of starts. Everything has the
+        static size B·T (at most B·T groups; unused group rows stay 0): no ``torch.unique``,
+        no boolean mask, nothing whose size depends on the values, so no value is read back to
+        the host (a synchronisation per step on an accelerator). The bound added to each
+        group's norm is the float64 summation's, 2(T+2)·u·Σ‖row‖ (one term for a token looked
+        up once)."""
         b, t = self.idx.shape
         d, v = self.g.shape[2], self.param.shape[0]
         g = self.g
         if t == 1:
             return _sq(g[:, 0], 1)
-        # Rows of one record that look up the same token add up: group by (record, token).
-        keys = torch.arange(b, device=self.idx.device).unsqueeze(1) * v + self.idx
-        uniq, inv, counts = torch.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
-        rows = g.reshape(-1, d)
-        (gn2,) = row_sq(rows)  # float64 sums of squares, read in place (no float64 copy of g)
-        gn = gn2.sqrt()
-        rec_of_row = torch.arange(b, device=g.device).repeat_interleave(t)
-        # A (record, token) looked up once: its row is the sum, ‖row‖ plus the same bound
-        # term as a summed group's (one term, k = 1).
-        once = counts[inv] == 1
+        n = b * t
+        dev = g.device
+        rec_of_row = torch.arange(b, device=self.idx.device).unsqueeze(1).expand(b, t)
+        keys = (rec_of_row * v + self.idx).reshape(-1).to(dev)
+        sk, perm = torch.sort(keys)
+        starts = torch.ones(n, dtype=torch.int64, device=dev)
+        starts[1:] = sk[1:] != sk[:-1]
+        group = torch.empty_like(perm).scatter_(0, perm, torch.cumsum(starts, 0).sub_(1))
+        rows = g.reshape(n, d).double()
+        sums = torch.zeros(n, d, dtype=torch.float64, device=dev).index_add_(0, group, rows)
+        gn = torch.linalg.vector_norm(rows, dim=1)
+        bound = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, group, gn)
         slack = 2.0 * (t + 2) * _U64
-        out = torch.zeros(b, dtype=torch.float64, device=g.device)
-        out.index_add_(0, rec_of_row[once], (gn[once] * (1.0 + slack)).square())
-        if bool(once.all()):
-            return out
-        # Tokens a record looks up several times: only those rows summed, in float64.
-        many = ~once
-        sub, sinv = torch.unique(inv[many], return_inverse=True)
-        sums = torch.zeros(sub.shape[0], d, dtype=torch.float64, device=g.device)
-        sums.index_add_(0, sinv, rows[many].double())
-        bound = torch.zeros(sub.shape[0], dtype=torch.float64, device=g.device).index_add_(0, sinv, gn[many])
-        nk = torch.linalg.vector_norm(sums, dim=1) + slack * bound
-        rec = torch.div(uniq[sub], v, rounding_mode="floor")
-        return out.index_add_(0, rec, nk.square())
+        nk = torch.linalg.vector_norm(sums, dim=1).add_(bound, alpha=slack)
+        # the record of each group (rows of one group share it); unused groups add 0 to record 0
+        owner = torch.zeros(n, dtype=torch.int64, device=dev).scatter_(0, group, rec_of_row.reshape(-1).to(dev))
+        return torch.zeros(b, dtype=torch.float64, device=dev).index_add_(0, owner, nk.square_())
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         d = self.g.shape[2]

@@ -38,6 +38,11 @@ from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 __all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm", "MIN_FACTOR", "ON_NONFINITE"]
 
 _U64 = 2.0**-53
+
+
+def is_one(x: Any) -> bool:
+    """Whether a scale is the host value 1.0 (a device tensor is never compared on the host)."""
+    return isinstance(x, (int, float)) and x == 1.0
 _row_sq = row_sq  # used by the optimizer and tests
 
 
@@ -74,7 +79,7 @@ def nonfinite_error(i: int, loss_scale: float = 1.0) -> ValueError:
     """The ``on_nonfinite="raise"`` error naming record ``i``."""
     why = (
         f" (the loss was scaled by {loss_scale:g} for the GradScaler: its scaled gradient may have overflowed "
-        "float16)" if loss_scale != 1.0 else ""
+        "float16)" if float(loss_scale) != 1.0 else ""
     )
     return ValueError(
         f"record {i} of the batch has a non-finite (NaN or infinite) per-record gradient{why}; nothing was "
@@ -84,7 +89,8 @@ def nonfinite_error(i: int, loss_scale: float = 1.0) -> ValueError:
 
 
 def clip_factors(
-    sq_norms: torch.Tensor, clip: float, margin: float, *, on_nonfinite: str = "zero", min_factor: float = MIN_FACTOR
+    sq_norms: torch.Tensor, clip: float, margin: float, *, on_nonfinite: str = "zero", min_factor: Any = MIN_FACTOR,
+    bad: Optional[torch.Tensor] = None, scale: float = 1.0,
 ) -> torch.Tensor:
     """min(1, C/(‖x_i‖(1+margin))) per record, float64: a clipped record's norm stays ≤ C.
 
@@ -100,17 +106,25 @@ def clip_factors(
       with a relative error far beyond the margin, and the record's contribution could exceed C.
       A record whose norm is above 2¹⁰⁰·C adds nothing instead, which is within the sensitivity
       (its contribution is 0 ≤ C) and depends on that record alone.
+    * ``bad``: the records already known to be non-finite (a device mask; default: those whose
+      ``sq_norms`` is); ``scale``: a factor applied to every clip factor afterwards (1/the
+      denominator), in the same pass.
+
+    No value is read back to the host (``on_nonfinite="raise"`` excepted): on an accelerator
+    the factors are a few kernels and no synchronisation.
     """
     norms = torch.sqrt(sq_norms)
-    bad = ~torch.isfinite(norms)
+    if bad is None:
+        bad = ~torch.isfinite(norms)
     if on_nonfinite == "raise":
         if bool(bad.any()):
             raise nonfinite_error(int(torch.nonzero(bad)[0, 0]))
     elif on_nonfinite != "zero":
         check_on_nonfinite(on_nonfinite)
-    inflated = norms * (1.0 + margin)
-    c = torch.where(inflated > clip, clip / inflated, torch.ones_like(inflated))
-    return c.masked_fill(bad | (c < min_factor), 0.0)
+    # min(1, C/inflated): a zero norm gives C/0 = inf, clamped to 1
+    c = torch.clamp(clip / (norms * (1.0 + margin)), max=1.0)
+    c = c.masked_fill(bad | (c < min_factor), 0.0)
+    return c.mul_(scale) if scale != 1.0 else c
 
 
 _BATCH_MIXING = (nn.modules.batchnorm._BatchNorm,)
@@ -266,6 +280,8 @@ class PerRecordGradients:
         #: After :meth:`squared_norms`: the records (units) whose squared norm is NaN or infinite
         #: for some parameter, (B,) bool, or None when every record's is finite.
         self.nonfinite: Optional[torch.Tensor] = None
+        #: After :meth:`squared_norms`: Σ over parameters of each record's squared norm (B,).
+        self.sq_total: Optional[torch.Tensor] = None
         self._zeroed = False
         for r in self.rules:
             r.install()
@@ -311,6 +327,7 @@ class PerRecordGradients:
         self.passes = set()
         self.batch_hint = 0
         self.nonfinite = None
+        self.sq_total = None
         self._zeroed = False
         if self.lean is not None:
             self.lean.reset()
@@ -360,7 +377,7 @@ class PerRecordGradients:
         n = len(self.params)
         if self.lean is not None:
             return self.lean.squared_norms(contribs)
-        self.nonfinite, self._zeroed = None, False
+        self.nonfinite, self.sq_total, self._zeroed = None, None, False
         if not contribs:
             self._used = [None] * n
             return 0, [None] * n
@@ -409,10 +426,34 @@ class PerRecordGradients:
                 self._used.append(None)
                 continue
             sq, used = param_sq_norms(mine, units, cache)
-            out.append(sq * s2 if s2 != 1.0 else sq)
+            out.append(sq)
             self._used.append(used)
-        self.nonfinite = nonfinite_records(out)
+        out = self._stacked(out, s2)
         return units, out
+
+    def _stacked(self, out: List[Optional[torch.Tensor]], s2: Any) -> List[Optional[torch.Tensor]]:
+        """The parameters' squared norms scaled by ``s2`` in one operator on their stack (P, B),
+        their total (:attr:`sq_total`) and :attr:`nonfinite`: a handful of operators per step
+        whatever the number of parameters (a GPU step is bound by its launches)."""
+        live = [k for k, s in enumerate(out) if s is not None]
+        if not live:
+            self.sq_total, self.nonfinite = None, None
+            return out
+        dev = out[live[0]].device
+        if len(live) == 1:
+            s = out[live[0]]
+            s = s if is_one(s2) else s * s2
+            out[live[0]] = s
+            self.sq_total, self.nonfinite = s, ~torch.isfinite(s)
+            return out
+        st = torch.stack([out[k].to(dev) for k in live])
+        if not is_one(s2):
+            st = st * s2
+        for k, row in zip(live, st.unbind(0)):
+            out[k] = row
+        self.sq_total = st.sum(0)
+        self.nonfinite = ~torch.isfinite(self.sq_total)
+        return out
 
     @torch.no_grad()
     def zero_records(self, mask: Optional[torch.Tensor] = None) -> None:
@@ -478,7 +519,7 @@ class PerRecordGradients:
                 key = ("c", id(factors[k]))
                 c = cache.get(key)
                 if c is None:  # one scaled copy per group, shared by its parameters
-                    c = cache[key] = factors[k] * self._scale if self._scale != 1.0 else factors[k]
+                    c = cache[key] = factors[k] if is_one(self._scale) else factors[k] * self._scale
                 for u in used:
                     u.add_clipped(c, acc, cache)  # type: ignore[arg-type]
                 if base is not None and not direct:

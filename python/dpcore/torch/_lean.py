@@ -38,9 +38,14 @@ from torch import nn
 
 from ._amp import work_dtype
 from ._contrib import Contribution, param_sq_norms
+
+
+def is_one(x: Any) -> bool:
+    """Whether a scale is the host value 1.0 (a device tensor is never compared on the host)."""
+    return isinstance(x, (int, float)) and x == 1.0
 from ._autograd import functorch_active as _functorch, graph_task as _graph_task, retaining
 
-__all__ = ["MEMORY", "LeanPasses", "check_memory", "nonfinite_records"]
+__all__ = ["MEMORY", "LeanPasses", "check_memory", "nonfinite_records", "norm_totals"]
 
 from .._names import MEMORY, memory as check_memory  # noqa: E402  (one name across the front ends)
 
@@ -104,6 +109,9 @@ class LeanPasses:
         #: and after it with the engine, returning each parameter's clip factor (B,) (or None).
         self.prepare: Optional[Callable[[], None]] = None
         self.plan: Optional[Callable[[], List[Optional[torch.Tensor]]]] = None
+        #: Set by the optimizer: what the clip factors are a function of besides the norms (the
+        #: groups' plans, the loss scale), compared on the host between the two passes.
+        self.signature: Callable[[], Any] = lambda: None
         self.phase: Optional[str] = None
         self.expected: Dict[int, int] = {}
         self.inside: List[bool] = []  # module calls in progress, and whether a tap was made below each
@@ -133,6 +141,8 @@ class LeanPasses:
         self.factors: Optional[List[Optional[torch.Tensor]]] = None
         self.scaled: Dict[int, torch.Tensor] = {}
         self.mask: Optional[torch.Tensor] = None
+        self.totals: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None
+        self.sig: Any = None
 
     def expect(self, params: Sequence[Optional[nn.Parameter]]) -> None:
         for p in params:
@@ -252,6 +262,7 @@ class LeanPasses:
                 self._norm(k)
             self.expected = {}
             self.factors = self.plan()
+            self.sig = self.signature()
             self.phase = _SUMS
         except BaseException:
             e.clear()
@@ -308,7 +319,7 @@ class LeanPasses:
         units, cs = self.engine.units(self.b, cs)
         sq, _ = param_sq_norms(cs, units, None)
         s2 = self.scale**2
-        self.sq[k] = sq * s2 if s2 != 1.0 else sq
+        self.sq[k] = sq if is_one(s2) else sq * s2
 
     def squared_norms(self, held: List[Any]) -> Tuple[int, List[Optional[torch.Tensor]]]:
         """The engine's :meth:`squared_norms` in lean mode: the norms of the norm pass."""
@@ -333,18 +344,20 @@ class LeanPasses:
                     "pass below the first model output the backward pass reaches: a loss that combines two separate "
                     "calls of the model (or of its parts) is not supported; use memory='default' for it"
                 )
-        e.nonfinite, e._zeroed = None, False
+        e.nonfinite, e.sq_total, e._zeroed = None, None, False
         if self.phase is None or self.b is None or self.b == 0:
             e._used = [None] * n
             return 0, [None] * n
         out = list(self.sq)
-        e.nonfinite = nonfinite_records(out)
+        if self.totals is None:  # once per step: the sum pass's and the step's mask are one tensor
+            self.totals = norm_totals(out)
+        e.sq_total, e.nonfinite = self.totals
         e._used = [None] * n
         return self.units, out
 
     def zero_records(self, mask: torch.Tensor) -> None:
-        if self.mask is not None and torch.equal(self.mask, mask.to(self.mask.device)):
-            return  # the step's clip stage, zeroing what the sum pass already zeroed
+        if self.mask is not None and mask is self.mask:
+            return  # the step's clip stage, zeroing what the sum pass already zeroed (the same tensor)
         if any(self.summed):
             raise RuntimeError("memory='lean': other records zeroed after the sum pass began; nothing was released")
         self.mask = mask
@@ -367,7 +380,7 @@ class LeanPasses:
             acc = self.acc[k] = torch.zeros(tuple(p.shape), dtype=work_dtype(p.dtype), device=p.device)
         fs = self.scaled.get(id(f))
         if fs is None:
-            fs = self.scaled[id(f)] = f * self.scale if self.scale != 1.0 else f
+            fs = self.scaled[id(f)] = f if is_one(self.scale) else f * self.scale
         c.add_clipped(fs, acc, None)
 
     @torch.no_grad()
@@ -380,15 +393,16 @@ class LeanPasses:
         e = self.engine
         try:
             if self.phase is not None and self.b:
-                # once per query group (its members share one factor tensor): each comparison
-                # reads a device value back
+                # The step's factors are the same function (the clip stage) of the same norms
+                # and mask (the very tensors of the norm pass) as the sum pass's: the same
+                # values, if the plans and the loss scale are the same, which the host checks
+                # (comparing the values would read them back from the device every step).
                 pairs = {(id(f), id(g)): (f, g) for f, g in zip(factors, self.factors or [])}
-                for f, g in pairs.values():
-                    if (f is None) != (g is None) or (f is not None and not torch.equal(f, g)):
-                        raise RuntimeError(
-                            "memory='lean': the clip factors of the step differ from those of the sum pass; nothing "
-                            "was released"
-                        )
+                if any((f is None) != (g is None) for f, g in pairs.values()) or self.signature() != self.sig:
+                    raise RuntimeError(
+                        "memory='lean': the clip factors of the step differ from those of the sum pass; nothing "
+                        "was released"
+                    )
             out: List[Optional[torch.Tensor]] = []
             for k, p in enumerate(e.params):
                 base = into[k] if k < len(into) else None
@@ -431,12 +445,23 @@ def _graph_leaves(outs: List[torch.Tensor]) -> List[torch.Tensor]:
     return list(found.values())
 
 
+def norm_totals(parts: Sequence[Optional[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(Σ_parts squared norms (B,), the records whose squared norm is NaN or infinite in some
+    part (B,) bool), or (None, None) without a part. The parts are stacked and summed once,
+    whatever their number (a few operators per step, not a few per parameter), and the mask is
+    left on the device: whether a record is non-finite is never read on the host, so no control
+    flow depends on it and no synchronisation waits for it. A sum of non-negative terms is
+    NaN or infinite exactly when one of them is (or when it overflows float64, ~1e308: such a
+    record counts as non-finite too, a decision on that record's own norm)."""
+    live = [p for p in parts if p is not None]
+    if not live:
+        return None, None
+    dev = live[0].device
+    tot = live[0] if len(live) == 1 else torch.stack([p.to(dev) for p in live]).sum(0)
+    return tot, ~torch.isfinite(tot)
+
+
 def nonfinite_records(parts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
-    """The records (B,) whose squared norm is NaN or infinite in some part, or None when every
-    record's is finite."""
-    bad: Optional[torch.Tensor] = None
-    for part in parts:
-        if part is not None:
-            nb = ~torch.isfinite(part)
-            bad = nb if bad is None else bad | nb.to(bad.device)
-    return bad if bad is not None and bool(bad.any()) else None
+    """The records (B,) whose squared norm is NaN or infinite in some part (a device mask,
+    never read on the host; see :func:`norm_totals`), or None without a part."""
+    return norm_totals(parts)[1]

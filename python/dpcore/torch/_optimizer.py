@@ -228,6 +228,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.engine.lean is not None:
             self.engine.lean.prepare = self._lean_prepare
             self.engine.lean.plan = self._lean_plan
+            self.engine.lean.signature = self._lean_signature
         # torch.optim.Optimizer plumbing (LR schedulers, hooks) without re-registering parameters
         self.defaults = optimizer.defaults
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
@@ -422,6 +423,13 @@ class DPOptimizer(torch.optim.Optimizer):
         # The step's own clip stage, its norm states left for the step to commit: the factors
         # of the sum pass are those the step then computes again (and checks) from the same norms.
         return self._queries.clip_factors(self.engine, "zero", commit=False)[1]
+
+    def _lean_signature(self) -> Any:
+        # what the clip factors depend on besides the norms: each group's plan and the loss scale
+        plans = tuple((p.l2_norm_clip, tuple(p.part_scales), p.denominator, p.mechanism) for p in
+                      (g.plan() for g in self._queries.groups))
+        s = self.engine.loss_scale
+        return plans, (id(s) if isinstance(s, torch.Tensor) else float(s))
 
     # -- the DP step ------------------------------------------------------------------
 

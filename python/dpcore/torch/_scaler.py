@@ -74,6 +74,7 @@ class GradScaling:
 
     def __init__(self, grad_scaler: Any = None) -> None:
         self.grad_scaler: Any = grad_scaler
+        self._cached: Any = None
         #: Steps an older dpcore skipped after a GradScaler overflow, as restored from its
         #: checkpoint; 0 for a new run (no step is skipped any more).
         self.skipped_steps = 0
@@ -98,9 +99,21 @@ class GradScaling:
         engine.loss_scale = self.loss_scale()
         self.tell(optimizer)
 
-    def loss_scale(self) -> float:
-        """The factor the loss was multiplied by before backward (1 without an active scaler)."""
-        return float(self.grad_scaler.get_scale()) if self.active else 1.0
+    def loss_scale(self) -> Any:
+        """The factor the loss was multiplied by before backward (1.0 without an active scaler):
+        the scaler's own scale tensor (float64, 0-d, on its device) once it has scaled a loss,
+        never read on the host (``get_scale()`` would be a synchronisation every step)."""
+        if not self.active:
+            return 1.0
+        s = getattr(self.grad_scaler, "_scale", None)
+        if isinstance(s, torch.Tensor):
+            # one float64 copy per value of the scale (its version counts in-place updates, a
+            # host-side fact): the lean mode's two passes see the very same tensor
+            key = (id(s), s._version)
+            if self._cached is None or self._cached[0] != key or self._cached[1] is not s:
+                self._cached = (key, s, s.to(torch.float64).reshape(()))
+            return self._cached[2]
+        return float(self.grad_scaler.get_scale())  # not yet used: its initial scale, a host value
 
     def tell(self, optimizer: Any) -> None:
         """What ``GradScaler.update()`` reads: no overflow, always. The scale so follows the
