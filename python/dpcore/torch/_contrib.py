@@ -31,6 +31,7 @@ import contextlib
 import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -184,19 +185,20 @@ class Grouping:
 
     __slots__ = ("counts", "kmax", "units", "batch", "index", "unit_of", "uniform")
 
-    def __init__(self, counts: torch.Tensor, device: torch.device) -> None:
-        counts = counts.to(torch.int64).cpu()
-        self.counts = counts
-        self.units = int(counts.numel())
-        self.batch = int(counts.sum())
-        self.kmax = int(counts.max()) if self.units else 0
-        self.uniform = bool((counts == self.kmax).all())
-        starts = torch.cumsum(counts, 0) - counts
-        j = torch.arange(self.kmax, dtype=torch.int64)
-        idx = starts[:, None] + j[None, :]
-        idx = torch.where(j[None, :] < counts[:, None], idx, torch.full_like(idx, self.batch))
-        self.index = idx.reshape(-1).to(device)
-        self.unit_of = torch.repeat_interleave(torch.arange(self.units, dtype=torch.int64), counts).to(device)
+    def __init__(self, counts: Any, device: torch.device) -> None:
+        # Host-side facts (the sampler's), computed with numpy: no tensor operator is dispatched
+        # and nothing is read back from a device; the indices go to the device without a wait.
+        c = np.asarray(counts.cpu().numpy() if isinstance(counts, torch.Tensor) else counts, dtype=np.int64).reshape(-1)
+        self.counts = torch.from_numpy(c)
+        self.units = int(c.size)
+        self.batch = int(c.sum())
+        self.kmax = int(c.max()) if self.units else 0
+        self.uniform = bool((c == self.kmax).all())
+        starts = np.cumsum(c) - c
+        j = np.arange(self.kmax, dtype=np.int64)
+        idx = np.where(j[None, :] < c[:, None], starts[:, None] + j[None, :], self.batch)
+        self.index = torch.from_numpy(np.ascontiguousarray(idx.reshape(-1))).to(device, non_blocking=True)
+        self.unit_of = torch.from_numpy(np.repeat(np.arange(self.units, dtype=np.int64), c)).to(device, non_blocking=True)
 
     def gather(self, t: torch.Tensor, memo: Dict[Any, torch.Tensor], key: Any) -> torch.Tensor:
         """(B, T, ...) as (U, kmax·T, ...): each unit's examples one after the other, zero rows

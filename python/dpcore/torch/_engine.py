@@ -27,6 +27,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +39,18 @@ from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 __all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm", "MIN_FACTOR", "ON_NONFINITE"]
 
 _U64 = 2.0**-53
+
+
+def _per_device(t: torch.Tensor) -> Any:
+    """device -> ``t`` (a host tensor) copied there once, without waiting for the device."""
+    copies: Dict[Any, torch.Tensor] = {}
+
+    def on(device: Any) -> torch.Tensor:
+        if device not in copies:
+            copies[device] = t.to(device, non_blocking=True)
+        return copies[device]
+
+    return on
 
 
 def is_one(x: Any) -> bool:
@@ -349,22 +362,26 @@ class PerRecordGradients:
             # et al. 2024, user-level sampling), clipped as one record.
             if k is not None and k > 1:
                 raise ValueError("microbatches (MicrobatchQuery) and users as the privacy unit cannot be combined")
-            counts = torch.as_tensor(groups, dtype=torch.int64).reshape(-1).cpu()
-            if int(counts.sum()) != b or (counts.numel() and int(counts.min()) < 1):
+            # the users' example counts are the sampler's, host values: numpy, never a device read
+            counts = np.asarray(groups.cpu().numpy() if isinstance(groups, torch.Tensor) else groups,
+                                dtype=np.int64).reshape(-1)
+            if int(counts.sum()) != b or (counts.size and int(counts.min()) < 1):
                 raise ValueError(
                     f"the batch holds {b} examples but its users' example counts sum to {int(counts.sum())}: with "
                     "privacy_unit='user', step once per batch of the loader that make_private returned"
                 )
             grouping = Grouping(counts, self.params[0].device)
-            w = (1.0 / counts.to(torch.float64)).repeat_interleave(counts)
+            w = torch.from_numpy(np.repeat(1.0 / counts.astype(np.float64), counts))
             memo: Dict[Any, torch.Tensor] = {}
-            return grouping.units, [c.group(w.to(c.param.device), grouping, memo) for c in cs]
+            on = _per_device(w)
+            return grouping.units, [c.group(on(c.param.device), grouping, memo) for c in cs]
         if k is not None and k > 1:
             units = -(-b // k)
-            counts_f = torch.full((units,), float(k), dtype=torch.float64)
+            counts_f = np.full(units, float(k))
             counts_f[-1] = b - k * (units - 1)
-            wk = (1.0 / counts_f).repeat_interleave(k)[:b]
-            return units, [c.regroup(wk.to(c.param.device), k) for c in cs]
+            wk = torch.from_numpy(np.repeat(1.0 / counts_f, k)[:b])
+            on = _per_device(wk)
+            return units, [c.regroup(on(c.param.device), k) for c in cs]
         return b, cs
 
     @torch.no_grad()
