@@ -11,7 +11,9 @@ What runs on a GPU and nowhere else in the suite:
   (eager and compiled block functions), and its normals equal the host transform of those words;
 * a DP step makes a constant number of host-device synchronisations, whatever the number of
   parameters (counted with ``torch.cuda.set_sync_debug_mode``): a model with four times as many
-  layers syncs no more often;
+  layers syncs no more often; and a steady-state step of every layer family, in both memory
+  modes, under bfloat16 autocast and with a GradScaler, makes none at all (``"error"`` mode:
+  issue 52; the CPU twin, counting the operators, is ``test_torch_sync.py``);
 * a checkpoint saved on the GPU resumes on the CPU and back, continuing the ledger.
 """
 
@@ -292,6 +294,71 @@ def _syncs_per_step(layers: int) -> int:
         if len(counts) == 3:
             break
     return max(counts)
+
+
+def _steady_step_under_sync_error(build, kind, *, memory="default", bf16=False, scaler=None):
+    """Warm-up steps, then three steps under ``set_sync_debug_mode("error")``: any
+    device->host synchronisation in dpcore's step raises."""
+    from test_torch_sync import _data
+
+    torch.manual_seed(0)
+    model = build().to(CUDA)
+    x, y = _data(kind, torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    kw = {} if scaler is None else {"grad_scaler": scaler}
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
+                                      max_grad_norm=1.0, ledger=_ledger(), memory=memory, **kw)
+    crit = nn.CrossEntropyLoss()
+
+    def step(xb, yb):
+        opt.zero_grad()
+        if bf16:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(xb)
+            loss = crit(out.float(), yb)
+        else:
+            loss = crit(model(xb), yb)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+    done = 0
+    for epoch in range(4):
+        for i, (xb, yb) in enumerate(loader):
+            xb, yb = xb.to(CUDA), yb.to(CUDA)  # the user's transfer, outside the checked step
+            if epoch == 0 and i < 3:
+                step(xb, yb)  # warm-up: lazy buffers, the compiled block function and its check
+                torch.cuda.synchronize()
+                continue
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(xb, yb)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            done += 1
+            if done == 3:
+                return
+
+
+@pytest.mark.parametrize("memory", ["default", "lean"])
+@pytest.mark.parametrize("family", ["transformer", "lstm", "cnn", "mlp"])
+def test_a_steady_step_never_synchronises(family, memory):
+    from test_torch_sync import FAMILIES
+
+    build, kind = FAMILIES[family]
+    _steady_step_under_sync_error(build, kind, memory=memory)
+
+
+def test_a_steady_step_never_synchronises_under_bf16_or_a_grad_scaler():
+    from test_torch_sync import FAMILIES, _mlp
+
+    build, kind = FAMILIES["transformer"]
+    _steady_step_under_sync_error(build, kind, bf16=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8, growth_interval=2**31 - 1)
+    _steady_step_under_sync_error(_mlp, "vector", scaler=scaler)
 
 
 def test_syncs_per_step_do_not_grow_with_the_parameters():

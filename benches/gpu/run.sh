@@ -13,7 +13,7 @@
 # --dry-run     the same steps on the CPU with tiny sizes (a CI test runs it so the script cannot
 #               rot); nothing here is a measurement.
 # --fast        about 5 minutes: fewer models and steps (when little device time is left).
-# --only        run only these steps: tests profile torch memory trainer noise users.
+# --only        run only these steps: tests ops profile torch memory trainer noise users.
 #
 # Each step has its own time limit, so one hang cannot eat the others' time; a step that fails
 # is reported in the summary and the script goes on. Budget on one H100/H200: about 8 minutes.
@@ -109,6 +109,8 @@ step() {
 cd "$root"
 if [ $dry = 1 ]; then
     want tests && step "CUDA tests (skipped without a GPU)" 300 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider
+    want ops && step "bench_step_ops (operators and syncs per step)" 300 "$py" benches/bench_step_ops.py --models cnn \
+        --configs non-private dpcore --json "$out/ops.json"
     want profile && step "profile_step" 300 "$py" benches/gpu/profile_step.py --device cpu --models mlp \
         --steps 2 --warmup 1 --top 5
     want torch && step "bench_torch" 300 "$py" benches/bench_torch.py --device cpu --models mlp \
@@ -124,6 +126,7 @@ if [ $dry = 1 ]; then
         --device cpu --json "$out/users.json"
 elif [ $fast = 1 ]; then
     want tests && step "CUDA tests" 90 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
+    want ops && step "bench_step_ops (operators and syncs per step)" 60 "$py" benches/bench_step_ops.py --json "$out/ops.json"
     want profile && step "profile_step (where the time goes)" 45 "$py" benches/gpu/profile_step.py --models transformer \
         --bf16 --steps 10 --warmup 6 --top 12
     want torch && step "bench_torch" 100 "$py" benches/bench_torch.py --device cuda --models transformer cnn \
@@ -133,6 +136,7 @@ elif [ $fast = 1 ]; then
         --size small --bf16 --modes lora full --steps 5 --warmup 2 --rounds 1 --json "$out/trainer.json"
 else
     want tests && step "CUDA tests" 110 "$py" -m pytest -q -m cuda tests/test_cuda.py tests/test_user_level_torch.py -p no:cacheprovider --junitxml="$out/cuda-tests.xml"
+    want ops && step "bench_step_ops (operators and syncs per step)" 60 "$py" benches/bench_step_ops.py --json "$out/ops.json"
     want noise && step "bench_device_noise (10^8 float32)" 40 "$py" benches/bench_device_noise.py --devices cuda \
         --sizes 1000000 100000000 --blocks 3 --peak-n 100000000 --json "$out/noise.json"
     want profile && step "profile_step (where the time goes)" 90 "$py" benches/gpu/profile_step.py --models transformer cnn \
