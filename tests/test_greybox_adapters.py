@@ -169,6 +169,10 @@ TORCH_PATHS = {
     "lean": dict(model_fn=seq_model, memory="lean"),
     "lean_micro_batches_fp16": dict(model_fn=mlp, max_physical_batch_size=5, amp=torch.float16, scaler=True,
                                     memory="lean"),
+    # static shapes (issue 52): every physical batch padded to 12 rows with copies of record 0
+    "padded": dict(model_fn=mlp, max_physical_batch_size=12, pad_batches=True),
+    "padded_conv_lean": dict(model_fn=conv_model, max_physical_batch_size=12, pad_batches=True, memory="lean"),
+    "padded_attention_split": dict(model_fn=attention_model, max_physical_batch_size=7, pad_batches=True),
 }
 
 
@@ -369,3 +373,18 @@ def test_hf_trainer_release_path_passes(tmp_path):
         Neighbour("empty", "add_or_remove", empty), Neighbour("longest", "add_or_remove", longest)]
     res = _check(train, kinds=kinds, data=(ids, mask))
     assert max(r.max_ratio for r in res.runs) > 0.05
+
+
+def test_torch_planted_unmasked_padding_is_caught(monkeypatch):
+    # padded rows are copies of record 0: counted as records, they would add it several times
+    from dpcore.torch._engine import PerRecordGradients
+
+    inner = torch_train(mlp, max_physical_batch_size=12, pad_batches=True)
+
+    def train(cols, seed):  # the records reversed: the neighbours' changed (last) record is the padding's
+        return inner(tuple(np.ascontiguousarray(c[::-1]) for c in cols), seed)
+
+    assert neighbour_audit(train, classification(N), ("replace_huge", "replace")).passed
+    monkeypatch.setattr(PerRecordGradients, "with_padding", lambda self, bad: bad)
+    res = neighbour_audit(train, classification(N), ("replace_huge",))
+    assert "sensitivity exceeded" in {f.kind for f in res.findings}, res.findings

@@ -226,3 +226,11 @@ def test_a_planted_synchronisation_is_caught(monkeypatch):
 
     monkeypatch.setattr(_clip, "clip_factors", reading)
     assert _syncs(_mlp, "vector") == [{"_local_scalar_dense": 1}] * 3
+
+
+@pytest.mark.parametrize("memory", ["default", "lean"])
+def test_no_synchronisation_with_padded_batches(memory):
+    # static shapes: every physical batch 16 rows, the padding masked on the device
+    build, kind = FAMILIES["transformer"]
+    assert _syncs(build, kind, memory=memory, max_physical_batch_size=16, pad_batches=True, steps=6,
+                  released=False) == [{}] * 5

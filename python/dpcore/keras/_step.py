@@ -38,6 +38,7 @@ from .. import _core, _trace
 from .._seeds import derive_seed
 from ..mechanism import gaussian_noise
 from ..queries import MicrobatchQuery, NestedQuery
+from ..sampling import padded_size
 from ..queries.events import ComposedQueryEvent
 
 __all__ = ["PAD", "ClipSpec", "HostRelease", "clipped_sums", "padded"]
@@ -177,7 +178,7 @@ def clipped_sums(ops: Any, grads: Sequence[Any], mask: Any, spec: ClipSpec, clip
 def padded(batch: Any, b: int, tree: Any) -> Tuple[Any, np.ndarray]:
     """``batch`` (a nest of numpy arrays with B = ``b`` rows) padded with zero rows to a multiple
     of :data:`PAD` (at least one), and the (padded) mask of real records."""
-    size = max(PAD, -(-b // PAD) * PAD)
+    size = padded_size(b, PAD)
 
     def pad(a: Any) -> Any:
         a = np.asarray(a)

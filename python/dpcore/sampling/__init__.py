@@ -56,6 +56,7 @@ from ._sequential import SequentialSampler
 from ._cyclic import CyclicPoissonSampler, CyclicSampler
 from ._fixed_size import FixedSizeSampler, fixed_size_sample
 from ._users import UserIndex, check_examples_per_user
+from ._padding import padded_size, physical_chunks
 
 __all__ = [
     "NEIGHBORING",
@@ -72,6 +73,8 @@ __all__ = [
     "UserIndex",
     "check_examples_per_user",
     "fixed_size_sample",
+    "padded_size",
+    "physical_chunks",
     "poisson_accountant_event",
     "poisson_sample",
     "register_sampler",

@@ -117,6 +117,7 @@ def make_private(
     user_ids: Any = None,
     examples_per_user: Optional[int] = None,
     max_examples_per_user: Optional[int] = None,
+    pad_batches: bool = False,
 ) -> Tuple[torch.nn.Module, DPOptimizer, Any]:
     """``(model, optimizer, data_loader)`` ready for DP-SGD, as Opacus's ``make_private``.
 
@@ -229,6 +230,14 @@ def make_private(
     from one backward pass to the step (``memory="default"``). Same release, exactly; a second
     backward pass of cost (docs/pytorch.md, "Memory").
 
+    **Static shapes.** ``pad_batches=True`` with ``max_physical_batch_size=m``: every physical
+    batch holds exactly m rows (the sample's records first, then copies of record 0 with clip
+    factor 0: they add exactly nothing, never enter the denominator, change nothing recorded), so
+    that a GPU step keeps one shape (cuDNN plans it once; ``torch.compile`` and CUDA graphs need
+    it). A larger sample is split into several padded batches, never cut; an empty one is a batch
+    of padding whose release is the noise alone. A DP step never reads a device value back in
+    either case (docs/performance.md, "The GPU step").
+
     **Non-finite records.** ``on_nonfinite="zero"`` (the default): a record whose per-record
     gradient is NaN or infinite (bad data, an overflow) contributes exactly zero, in every
     clipping group, and the step releases as usual; nothing is raised or released about it.
@@ -300,6 +309,7 @@ def make_private(
             max_batch_size=max_batch_size, num_selected=num_selected, on_nonfinite=on_nonfinite, memory=memory,
             population_size=population_size, privacy_unit=privacy_unit, user_ids=user_ids,
             examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user,
+            pad_batches=pad_batches,
         )
     users = _adapters.check_privacy_unit(privacy_unit, user_ids, examples_per_user, max_examples_per_user)
     if users and hasattr(data_loader.dataset, "__len__"):
@@ -321,6 +331,11 @@ def make_private(
         )
     if accountant is not None:
         raise ValueError("accountant= is the calibration's accountant: give it with target_epsilon=")
+    if pad_batches and (noise_mechanism in _names.MF_NOISE or _adapters.resolve_sampler(sampler, poisson_sampling) == "shuffle"):
+        raise ValueError(
+            "pad_batches=True pads sampled batches (Poisson and the registered samplers); it is not yet available "
+            "with sampler='shuffle' or matrix-factorization noise"
+        )
     if noise_mechanism in _names.MF_NOISE:
         if sampler is not None or max_batch_size is not None or num_selected != 1:
             raise ValueError(
@@ -367,14 +382,14 @@ def make_private(
     if poisson_sampling:
         loader: Any = DPDataLoader.from_data_loader(
             data_loader, ledger=ledger, max_physical_batch_size=max_physical_batch_size, seed=seed,
-            population_size=population_size, **({"user_ids": user_ids, "examples_per_user": examples_per_user,
+            population_size=population_size, pad_batches=pad_batches, **({"user_ids": user_ids, "examples_per_user": examples_per_user,
                                                   "max_examples_per_user": max_examples_per_user} if users else {}),
         )
         expected = loader.expected_batch_size
     elif kind in _adapters.DRAWN:
         loader = SamplerDataLoader.from_data_loader(
             data_loader, kind, ledger=ledger, max_batch_size=max_batch_size, num_selected=num_selected,
-            max_physical_batch_size=max_physical_batch_size, seed=seed,
+            max_physical_batch_size=max_physical_batch_size, seed=seed, pad_batches=pad_batches,
             **({"user_ids": user_ids, "examples_per_user": examples_per_user} if users else {}),
         )
         expected = loader.expected_batch_size

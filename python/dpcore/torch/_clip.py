@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..queries._build import clipping_query
@@ -242,6 +243,9 @@ class QueryGroups:
                 norms = tot.sqrt()
                 if bad is not None:
                     norms = norms.masked_fill(bad, float("inf"))
+                mask = getattr(engine, "record_mask", None)
+                if mask is not None:  # padding is no record: the real ones are the first rows
+                    norms = norms[: int(np.count_nonzero(mask))]
                 states.append(g.query.accumulate_norms(g.query.derive_sample_params(g.gs), g.ns, norms.cpu().numpy()))
             else:
                 states.append(g.ns)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from ..ledger import PrivacyLedger
 from .._seeds import derive_seed
-from ..sampling import UserIndex, check_examples_per_user, poisson_sample
+from ..sampling import UserIndex, check_examples_per_user, physical_chunks, poisson_sample
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["DPDataLoader"]
@@ -43,6 +43,11 @@ class DPDataLoader:
     * ``steps``: logical batches per pass (default round(1/q), one expected epoch).
     * ``max_physical_batch_size``: cut a logical batch into micro-batches of at most this size;
       :attr:`logical_batch_complete` is True after the last micro-batch of a logical batch.
+    * ``pad_batches``: static shapes (for a GPU, ``torch.compile``, CUDA graphs): every
+      micro-batch holds exactly ``max_physical_batch_size`` rows, the real records first and
+      then copies of record 0 whose clip factor is 0 (they add exactly nothing, never enter the
+      denominator and change nothing recorded); :attr:`record_mask` marks the real rows. A
+      sample larger than the size is split, never cut; an empty one is one batch of padding.
     * ``collate_fn``: for map-style datasets other than :class:`TensorDataset` (default
       :func:`torch.utils.data.default_collate`).
     * ``population_size``: N, the public number of records the sampling and the average are
@@ -94,6 +99,7 @@ class DPDataLoader:
         user_ids: Any = None,
         examples_per_user: Optional[int] = None,
         max_examples_per_user: Optional[int] = None,
+        pad_batches: bool = False,
     ) -> None:
         from .._names import renamed
 
@@ -161,6 +167,9 @@ class DPDataLoader:
         if max_physical_batch_size is not None and int(max_physical_batch_size) < 1:
             raise ValueError(f"max_physical_batch_size must be >= 1, got {max_physical_batch_size}")
         self.max_physical_batch_size = None if max_physical_batch_size is None else int(max_physical_batch_size)
+        #: static shapes: every physical batch padded to max_physical_batch_size rows (physical_batches)
+        self.pad_batches = check_pad_batches(pad_batches, self.max_physical_batch_size, self.users is not None)
+        self.record_mask: Optional[np.ndarray] = None
         self.collate_fn = collate_fn or default_collate
         self._comm = current_communicator()
         self.rank, self.world_size = (0, 1) if self._comm is None else (self._comm.rank, self._comm.world_size)
@@ -353,6 +362,27 @@ class DPDataLoader:
         self.logical_batch_complete = True
 
 
+def check_pad_batches(pad: Any, max_physical_batch_size: Optional[int], users: bool) -> bool:
+    """``pad_batches`` checked against the loader's other options (before anything is drawn)."""
+    if not isinstance(pad, bool):
+        raise TypeError(f"pad_batches must be True or False, got {pad!r}")
+    if not pad:
+        return False
+    if max_physical_batch_size is None:
+        raise ValueError(
+            "pad_batches=True pads every physical batch to max_physical_batch_size rows: give "
+            "max_physical_batch_size (e.g. about 1.3 x the expected batch size, so that most samples fit in one)"
+        )
+    if users:
+        raise ValueError(
+            "pad_batches=True is not yet available with users as the privacy unit (a padded row would join a "
+            "user's examples); use pad_batches=False"
+        )
+    if current_communicator() is not None:
+        raise ValueError("pad_batches=True is not yet available under torch.distributed; use pad_batches=False")
+    return True
+
+
 def _population(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or int(n) < 1:
         raise ValueError(f"population_size must be an int >= 1, got {n!r}")
@@ -379,8 +409,29 @@ def physical_batches(loader: Any, idx: np.ndarray, counts: Optional[np.ndarray] 
     records; ``loader.logical_batch_complete`` is True on the last one (the optimizer releases
     then), and ``loader.last_indices`` holds the records of the batch just yielded. ``counts``
     (user-level sampling): ``idx`` holds users' examples user-major, this many each; a cut
-    never splits a user, and ``loader.record_groups`` holds the batch's counts."""
+    never splits a user, and ``loader.record_groups`` holds the batch's counts.
+
+    ``loader.pad_batches``: every batch holds exactly ``max_physical_batch_size`` rows, the
+    real records first, then copies of record 0 (:func:`dpcore.sampling.physical_chunks`);
+    ``loader.record_mask`` (numpy bool, True for a real record) tells the optimizer which rows
+    to give clip factor 0. An empty sample is one batch of padding."""
     m = loader.max_physical_batch_size
+    loader.record_mask = None
+    if getattr(loader, "pad_batches", False):
+        # static shapes: every physical batch holds exactly m rows, the real records first
+        at_least = 1
+        comm = getattr(loader, "_comm", None)
+        if getattr(loader, "equal_micro_batches", False) and comm is not None:
+            at_least = comm.maximum(max(1, -(-len(idx) // m)), "agreeing on the number of micro-batches")
+        chunks = physical_chunks(idx, m, pad=True, fill=0, at_least=at_least)
+        for k, (c, real) in enumerate(chunks):
+            loader.logical_batch_complete = k == len(chunks) - 1
+            loader.last_indices = c[:real]
+            loader.record_mask = np.arange(m) < real
+            yield loader._fetch(c)
+        loader.logical_batch_complete = True
+        loader.record_mask = None
+        return
     if counts is not None:
         bounds = _user_chunks(counts, m)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)

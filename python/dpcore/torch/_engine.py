@@ -211,6 +211,11 @@ class PerRecordGradients:
         #: batch order (user-major), set by the optimizer from its loader before each clip
         #: (:attr:`dpcore.torch.DPDataLoader.record_groups`); None: a record is an example.
         self.record_groups: Any = None
+        #: Padded batches: which records of the next batch are real (numpy bool (B,), set by
+        #: the optimizer from its loader, :attr:`dpcore.torch.DPDataLoader.record_mask`); the
+        #: others get factor 0 and their stored factors zeroed, as a non-finite record. None:
+        #: every record is real.
+        self.record_mask: Any = None
         self.enabled = True
         self.batch_hint = 0  # the last record count a layer saw (see EmbeddingRule)
         #: The factor the loss was multiplied by before backward (a GradScaler's scale): the
@@ -357,6 +362,8 @@ class PerRecordGradients:
         users (``record_groups``) or microbatches, else the records themselves."""
         k = self.microbatch_size
         groups = self.record_groups
+        if self.record_mask is not None and ((k is not None and k > 1) or groups is not None):
+            raise ValueError("padded batches (pad_batches=True) cannot be combined with micro-batches or users as records")
         if groups is not None:
             # The privacy unit "user": a user's gradient is the mean of its examples' (Charles
             # et al. 2024, user-level sampling), clipped as one record.
@@ -461,16 +468,28 @@ class PerRecordGradients:
             s = out[live[0]]
             s = s if is_one(s2) else s * s2
             out[live[0]] = s
-            self.sq_total, self.nonfinite = s, ~torch.isfinite(s)
-            return out
-        st = torch.stack([out[k].to(dev) for k in live])
-        if not is_one(s2):
-            st = st * s2
-        for k, row in zip(live, st.unbind(0)):
-            out[k] = row
-        self.sq_total = st.sum(0)
-        self.nonfinite = ~torch.isfinite(self.sq_total)
+            self.sq_total = s
+        else:
+            st = torch.stack([out[k].to(dev) for k in live])
+            if not is_one(s2):
+                st = st * s2
+            for k, row in zip(live, st.unbind(0)):
+                out[k] = row
+            self.sq_total = st.sum(0)
+        self.nonfinite = self.with_padding(~torch.isfinite(self.sq_total))
         return out
+
+    def with_padding(self, bad: torch.Tensor) -> torch.Tensor:
+        """``bad`` (B,) with the padded rows of :attr:`record_mask` added: they get factor 0 and
+        their stored factors zeroed, exactly as a non-finite record (a host mask, copied to the
+        device without a wait)."""
+        m = self.record_mask
+        if m is None:
+            return bad
+        m = np.asarray(m, dtype=bool).reshape(-1)
+        if m.shape[0] != bad.shape[0]:
+            raise ValueError(f"the batch's record mask has {m.shape[0]} rows but the batch {bad.shape[0]} records")
+        return bad | torch.from_numpy(~m).to(bad.device, non_blocking=True)
 
     @torch.no_grad()
     def zero_records(self, mask: Optional[torch.Tensor] = None) -> None:

@@ -350,7 +350,8 @@ class LeanPasses:
             return 0, [None] * n
         out = list(self.sq)
         if self.totals is None:  # once per step: the sum pass's and the step's mask are one tensor
-            self.totals = norm_totals(out)
+            tot, bad = norm_totals(out)
+            self.totals = (tot, None if bad is None else e.with_padding(bad))
         e.sq_total, e.nonfinite = self.totals
         e._used = [None] * n
         return self.units, out

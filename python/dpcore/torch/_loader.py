@@ -17,6 +17,8 @@ member                         used for (default when absent)
 ``accountant``                 :meth:`DPOptimizer.get_epsilon`'s default accountant (None)
 ``record_groups``              the privacy unit "user": each user's number of examples in the
                                batch just yielded, user-major (None: a record is an example)
+``record_mask``                padded batches: which rows of the batch just yielded are real
+                               records (numpy bool; None: every row is one)
 ``use_equal_micro_batches()``  under FSDP2: every rank cuts a logical batch into as many
                                micro-batches (not called when absent)
 ``state_dict()``,              checkpoints: the loader's position (not saved / not restored,
@@ -87,6 +89,11 @@ class LoaderView:
     @property
     def record_groups(self) -> Any:
         return _member(self.loader, "record_groups")
+
+    @property
+    def record_mask(self) -> Any:
+        """The real records of the batch just yielded (numpy bool; None: every row is one)."""
+        return _member(self.loader, "record_mask")
 
     def use_equal_micro_batches(self) -> None:
         fn = _member(self.loader, "use_equal_micro_batches")

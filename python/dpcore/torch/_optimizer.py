@@ -418,6 +418,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # what the step would set before clipping: the loss scale and the batch's users
         self.engine.loss_scale = self._scaler.loss_scale()
         self.engine.record_groups = LoaderView(self.data_loader).record_groups
+        self.engine.record_mask = LoaderView(self.data_loader).record_mask
 
     def _lean_plan(self) -> List[Optional[torch.Tensor]]:
         # The step's own clip stage, its norm states left for the step to commit: the factors
@@ -456,6 +457,7 @@ class DPOptimizer(torch.optim.Optimizer):
         try:  # clip (a non-finite record is zeroed here, or raises with on_nonfinite="raise")
             self._transport.check_captured()
             self.engine.record_groups = loader.record_groups
+            self.engine.record_mask = loader.record_mask
             b, factors = self._queries.clip_factors(self.engine, self.on_nonfinite)
         except BaseException as e:
             self._transport.clip_failed(self._releases, e, releasing)
@@ -488,6 +490,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._scaler.sync(self, self.engine, getattr(self, "grad_scale", None))
         try:
             self.engine.record_groups = LoaderView(self.data_loader).record_groups
+            self.engine.record_mask = LoaderView(self.data_loader).record_mask
             b, factors = self._queries.clip_factors(self.engine, self.on_nonfinite)
         except BaseException:
             self._batch.discard()

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from .. import _adapters
 from .._seeds import derive_seed
 from ..sampling import UserIndex, check_examples_per_user
-from ._data import empty_batch, physical_batches
+from ._data import check_pad_batches, empty_batch, physical_batches
 from ._distributed import current_communicator, resolve_ledger
 
 __all__ = ["SamplerDataLoader"]
@@ -95,6 +95,7 @@ class SamplerDataLoader:
         user_ids: Any = None,
         examples_per_user: Optional[int] = None,
         seed: Optional[int] = None,
+        pad_batches: bool = False,
     ) -> None:
         kind = getattr(sampler, "policy", None)
         if kind not in _adapters.DRAWN:
@@ -137,6 +138,8 @@ class SamplerDataLoader:
         led = sampler.ledger
         self.ledger = led.ledger if isinstance(led, _UserBound) else led
         self.max_physical_batch_size = None if max_physical_batch_size is None else int(max_physical_batch_size)
+        self.pad_batches = check_pad_batches(pad_batches, self.max_physical_batch_size, self.users is not None)
+        self.record_mask: Optional[np.ndarray] = None
         self.collate_fn = collate_fn or default_collate
         self.logical_batch_complete = True
         self.last_indices: Optional[np.ndarray] = None
@@ -156,6 +159,7 @@ class SamplerDataLoader:
         seed: Optional[int] = None,
         user_ids: Any = None,
         examples_per_user: Optional[int] = None,
+        pad_batches: bool = False,
     ) -> "SamplerDataLoader":
         """The ``sampler`` version of a DataLoader, for its ``batch_size`` bs (expected batch):
         truncated Poisson at q = bs/n capped at ``max_batch_size``, balls-in-bins with
@@ -186,7 +190,7 @@ class SamplerDataLoader:
             sampler, n, bs, max_batch_size=max_batch_size, num_selected=num_selected, seed=seed, ledger=led
         )
         return cls(ds, s, max_physical_batch_size=max_physical_batch_size, collate_fn=data_loader.collate_fn,
-                   user_ids=users, examples_per_user=examples_per_user, seed=seed)
+                   user_ids=users, examples_per_user=examples_per_user, seed=seed, pad_batches=pad_batches)
 
     # -- what the loader is ---------------------------------------------------------------
 
