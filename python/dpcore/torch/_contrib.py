@@ -94,9 +94,29 @@ def _zero_rows(t: torch.Tensor, mask: torch.Tensor, memo: Dict[int, Tuple[torch.
     hit = memo.get(id(t))
     if hit is not None and hit[0] is t:
         return hit[1]
-    m = mask.to(device=t.device).reshape((-1,) + (1,) * (t.dim() - 1))
-    out = t.masked_fill(m, 0)
+    mk = ("mask", t.device, t.dim())
+    hm = memo.get(mk)  # the mask shaped for this rank of tensor, once per step
+    if hm is None or hm[0] is not mask:
+        hm = memo[mk] = (mask, mask.to(device=t.device).reshape((-1,) + (1,) * (t.dim() - 1)))
+    out = t.masked_fill(hm[1], 0)
     memo[id(t)] = (t, out)  # t kept alive with it: its id is not reused while the memo lives
+    return out
+
+
+def _cw(c: torch.Tensor, dtype: torch.dtype, ndim: int, cache: Optional[dict]) -> torch.Tensor:
+    """The clip factors ``c`` (B,) in ``dtype``, shaped to scale a tensor of ``ndim`` dims along
+    its records: formed once per call of the clipped sums (``cache``) and shared by every use of
+    the group, not a cast and a reshape per layer (each an operator, a launch on a GPU)."""
+    key = ("cw", id(c), dtype, ndim)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None and hit[0] is c:
+            return hit[1]
+    out = c.to(dtype)
+    if ndim > 1:
+        out = out.view((-1,) + (1,) * (ndim - 1))
+    if cache is not None:
+        cache[key] = (c, out)
     return out
 
 
@@ -273,9 +293,9 @@ class Factored(Contribution):
         wd = acc.dtype  # float32 or wider (see _amp.work_dtype): bfloat16 factors widen exactly
         if self.a is None:
             if self.colsum is not None:  # Σ_i c_i (Σ_t g_it) from the sums the norm formed
-                s = c.to(self.colsum.dtype) @ self.colsum
+                s = _cw(c, self.colsum.dtype, 1, cache) @ self.colsum
             else:
-                s = (self.g.to(wd) * c.to(wd)[:, None, None]).sum((0, 1))
+                s = (self.g.to(wd) * _cw(c, wd, 3, cache)).sum((0, 1))
             _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
             return
         din = self.a.shape[2]
@@ -287,7 +307,7 @@ class Factored(Contribution):
         key = (id(f), id(c))
         fc = cache.get(key) if cache is not None else None
         if fc is None:
-            fc = f.to(wd) * c.to(wd)[:, None, None]
+            fc = f.to(wd) * _cw(c, wd, 3, cache)
             if _keep(cache, id(f)):
                 cache[key] = fc
         gg, aa = (self.g.to(wd), fc) if scale_a else (fc, self.a.to(wd))
@@ -370,7 +390,7 @@ class Rows(Contribution):
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         d = self.g.shape[2]
-        rows = (self.g.to(acc.dtype) * c.to(acc.dtype)[:, None, None]).reshape(-1, d)
+        rows = (self.g.to(acc.dtype) * _cw(c, acc.dtype, 3, cache)).reshape(-1, d)
         acc.index_add_(0, self.idx.reshape(-1), rows.to(acc.dtype))
 
 
@@ -404,7 +424,7 @@ class Dense(Contribution):
         return self.per[lo:hi].double(), torch.zeros(hi - lo, dtype=torch.float64, device=self.per.device)
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
-        s = torch.tensordot(c.to(acc.dtype), self.per.to(acc.dtype), dims=([0], [0]))
+        s = torch.tensordot(_cw(c, acc.dtype, 1, cache), self.per.to(acc.dtype), dims=([0], [0]))
         _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
 
 
@@ -576,7 +596,7 @@ class ConvFactors(Contribution):
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         stride, padding, dilation, groups = self.conf
         g = self.g.to(acc.dtype)
-        gc = g * c.to(acc.dtype).reshape((-1,) + (1,) * (g.dim() - 1))
+        gc = g * _cw(c, acc.dtype, g.dim(), cache)
         a = self.a.to(acc.dtype)
         # only the weight's shape is read (a sharded model's gathered weight may be freed by now)
         w = torch.empty(tuple(self.w.shape), dtype=acc.dtype, device=a.device)
@@ -663,7 +683,7 @@ class ConvFolded(ConvFactors):
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         parts = self.parts
-        cw = c.to(acc.dtype)
+        cw = _cw(c, acc.dtype, 1, cache)
         flat = acc.view(1, -1) if acc.is_contiguous() else None
         for k, (lo, hi) in enumerate(self._spans()):
             part = parts[k] if parts is not None else self._fold(lo, hi)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import Contribution, param_sq_norms
+from ._contrib import SHARED, Contribution, param_sq_norms
 
 
 def is_one(x: Any) -> bool:
@@ -140,6 +140,8 @@ class LeanPasses:
         self.scale = 1.0
         self.factors: Optional[List[Optional[torch.Tensor]]] = None
         self.scaled: Dict[int, torch.Tensor] = {}
+        # the step's clip factors cast and shaped once for all uses (no factor copies kept: SHARED empty)
+        self.ccache: Dict[Any, Any] = {SHARED: set()}
         self.mask: Optional[torch.Tensor] = None
         self.totals: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None
         self.sig: Any = None
@@ -382,7 +384,7 @@ class LeanPasses:
         fs = self.scaled.get(id(f))
         if fs is None:
             fs = self.scaled[id(f)] = f if is_one(self.scale) else f * self.scale
-        c.add_clipped(fs, acc, None)
+        c.add_clipped(fs, acc, self.ccache)
 
     @torch.no_grad()
     def clipped_sums(
