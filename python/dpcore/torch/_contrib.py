@@ -424,8 +424,10 @@ class Dense(Contribution):
         return self.per[lo:hi].double(), torch.zeros(hi - lo, dtype=torch.float64, device=self.per.device)
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
-        s = torch.tensordot(_cw(c, acc.dtype, 1, cache), self.per.to(acc.dtype), dims=([0], [0]))
-        _rows_view(self.param, self.rows, acc).add_(s.to(acc.dtype))
+        per = self.per.to(acc.dtype)
+        # Σ_i c_i·per_i as one matrix-vector product (tensordot would add permutes and views)
+        s = torch.mv(per.reshape(per.shape[0], -1).t(), _cw(c, acc.dtype, 1, cache))
+        _rows_view(self.param, self.rows, acc).add_(s.view(per.shape[1:]))
 
 
 #: Elements of the Gram matrices one chunk of records of a :class:`ConvFactors` forms at a time.
@@ -568,7 +570,12 @@ class ConvFactors(Contribution):
             ga: Optional[torch.Tensor] = None
             for oi, oj in taps:
                 r0, q0 = oi // sh, oj // sw
-                v = grams[(oi % sh, oj % sw)][:, r0 : r0 + ho, q0 : q0 + wo, r0 : r0 + ho, q0 : q0 + wo]
+                gm = grams[(oi % sh, oj % sw)]
+                # gm[:, r0:r0+ho, q0:q0+wo, r0:r0+ho, q0:q0+wo] as one strided view (four slices
+                # would be four operators each, per tap and layer)
+                st = gm.stride()
+                v = gm.as_strided((gm.shape[0], ho, wo, ho, wo), st,
+                                  gm.storage_offset() + r0 * st[1] + q0 * st[2] + r0 * st[3] + q0 * st[4])
                 ga = v.clone(memory_format=torch.contiguous_format) if ga is None else ga.add_(v)
             del grams
             assert ga is not None
