@@ -234,3 +234,20 @@ def test_no_synchronisation_with_padded_batches(memory):
     build, kind = FAMILIES["transformer"]
     assert _syncs(build, kind, memory=memory, max_physical_batch_size=16, pad_batches=True, steps=6,
                   released=False) == [{}] * 5
+
+
+def test_stacked_tails_equal_each_parameters_own_bit_for_bit():
+    from dpcore.torch._contrib import Tail, finish
+
+    g = torch.Generator().manual_seed(0)
+    tails = []
+    for j in range(7):
+        w = torch.randn(13, generator=g, dtype=torch.float64) * 10 ** (j - 3)
+        s = torch.rand(13, generator=g, dtype=torch.float64) * 10 ** (j - 3)
+        form, cap = [("ghost", True), ("sum", True), ("sum", False)][j % 3]
+        tails.append(Tail(form, w.abs() if form == "sum" else w, s, 2.0**-50 * (j + 1), cap))
+    mixed = [torch.ones(13, dtype=torch.float64)] + tails + [None]
+    got = finish(mixed)
+    assert got[0] is mixed[0] and got[-1] is None
+    for t, v in zip(tails, got[1:-1]):
+        assert torch.equal(v, t.value())

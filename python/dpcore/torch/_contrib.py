@@ -525,7 +525,7 @@ class ConvFactors(Contribution):
         t = self._shape()[5]
         return per, 2.0 * (t + 2) * _U64 * s
 
-    def sq_norms(self) -> torch.Tensor:
+    def sq_norms(self, defer: bool = False) -> Any:
         """Upper bounds of ‖Σ_t g_t a_tᵀ‖² per record (float64, (B,)) by ghost norms, with the
         bounds of :func:`_factored_sq`: float32 Grams (when matmuls round in float32) carry
         their worst-case rounding error γ_n, other dtypes are computed in float64.
@@ -597,8 +597,8 @@ class ConvFactors(Contribution):
             rel = rel + _gamma(t + 1, wdt) * (1.0 + rel)
         else:
             rel = 0.0
-        err = (rel * (1.0 + 1e-6) + 2.0 * (na + ng + groups * t * t + 8) * _U64) * s.square()
-        return torch.minimum(w.clamp_min(0.0) + err, s.square())
+        tail = Tail("ghost", w, s, rel * (1.0 + 1e-6) + 2.0 * (na + ng + groups * t * t + 8) * _U64)
+        return tail if defer else tail.value()
 
     def add_clipped(self, c: torch.Tensor, acc: torch.Tensor, cache: Optional[dict] = None) -> None:
         stride, padding, dilation, groups = self.conf
@@ -672,7 +672,7 @@ class ConvFolded(ConvFactors):
             return [self._fold(lo, hi) for lo, hi in self._spans()]
         return self.parts
 
-    def sq_norms(self) -> torch.Tensor:
+    def sq_norms(self, defer: bool = False) -> torch.Tensor:
         parts = self._keep(self._parts())
         return torch.cat([row_sq(p.reshape(p.shape[0], -1))[0] for p in parts])
 
@@ -751,7 +751,64 @@ def _widen(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.Tensor:
+class Tail:
+    """An upper bound of per-record squared norms (B,) left before its last elementwise steps,
+    which are the same for many parameters: :func:`finish` runs them once on the stack of all
+    the parameters' tails (a few operators per step, not a few per parameter: a GPU step is
+    bound by its launches). ``form`` ``"ghost"``: min(max(w, 0) + k·s², s²); ``"sum"``:
+    (√w + k·s)², capped at s² when ``cap``. ``w`` and ``s`` are float64 (B,); ``k`` a Python
+    float. The stacked steps are the same float64 operations in the same order as one
+    parameter's: the values are bit for bit those of :meth:`value`."""
+
+    __slots__ = ("form", "w", "s", "k", "cap")
+
+    def __init__(self, form: str, w: torch.Tensor, s: torch.Tensor, k: float, cap: bool = True) -> None:
+        self.form, self.w, self.s, self.k, self.cap = form, w, s, float(k), cap
+
+    def value(self) -> torch.Tensor:
+        return _tail_ops(self.form, self.cap, self.w, self.s, self.k)
+
+
+def _tail_ops(form: str, cap: bool, w: torch.Tensor, s: torch.Tensor, k: Any) -> torch.Tensor:
+    if form == "ghost":
+        s2 = s.square()
+        return torch.minimum(w.clamp_min(0.0) + k * s2, s2)
+    out = (w.sqrt() + k * s).square()
+    return torch.minimum(out, s.square()) if cap else out
+
+
+#: The (L, 1) float64 tensors of the tails' constants, by (device, constants): made once, not
+#: copied to the device every step (small, few: one per model and batch shape).
+_TAIL_K: Dict[Any, torch.Tensor] = {}
+
+
+def finish(values: List[Any]) -> List[Any]:
+    """``values`` with every :class:`Tail` replaced by its value, the tails of one form stacked
+    and finished together (:class:`Tail`)."""
+    groups: Dict[Any, List[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, Tail):
+            groups.setdefault((v.form, v.cap, v.w.device, tuple(v.w.shape)), []).append(i)
+    out = list(values)
+    for (form, cap, dev, _), idx in groups.items():
+        if len(idx) == 1:
+            out[idx[0]] = values[idx[0]].value()
+            continue
+        ks = tuple(values[i].k for i in idx)
+        key = (dev, ks)
+        kt = _TAIL_K.get(key)
+        if kt is None:
+            if len(_TAIL_K) > 256:
+                _TAIL_K.clear()
+            kt = _TAIL_K[key] = torch.tensor(ks, dtype=torch.float64).view(-1, 1).to(dev, non_blocking=True)
+        w = torch.stack([values[i].w for i in idx])
+        s = torch.stack([values[i].s for i in idx])
+        for i, row in zip(idx, _tail_ops(form, cap, w, s, kt).unbind(0)):
+            out[i] = row
+    return out
+
+
+def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None, defer: bool = False) -> Any:
     """Upper bounds of ‖Σ_u Σ_t g_t a_tᵀ‖² per record over same-row factored uses (one longer
     sequence). Mixed ghost clipping (Bu et al. 2023, "Differentially private optimization on
     large model at small cost"): per record, the ghost norm Σ_{t,s}(a_t·a_s)(g_t·g_s) (Li et
@@ -774,9 +831,11 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
             if len(cs) == 1:
                 cs[0].colsum = cols  # the clipped sum adds exactly these vectors
             rel = _gamma(t, g.dtype) * (1.0 + 1e-6)
-            return (_sq(cols, 1).sqrt() + (rel + 2.0 * (t + 2) * _U64) * gn.sum(1)).square()
+            tail = Tail("sum", _sq(cols, 1), gn.sum(1), rel + 2.0 * (t + 2) * _U64, cap=False)
+            return tail if defer else tail.value()
         bs = _sq(g.sum(1, dtype=torch.float64), 1)
-        return (bs.sqrt() + 2.0 * (t + 2) * _U64 * gn.sum(1)).square()
+        tail = Tail("sum", bs, gn.sum(1), 2.0 * (t + 2) * _U64, cap=False)
+        return tail if defer else tail.value()
     a0 = cs[0].a if len(cs) == 1 else torch.cat([c.a for c in cs], 1)
     a = _widen(a0)
     din = a.shape[2]
@@ -809,8 +868,8 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
             rel = rel + _gamma(t + 1, g.dtype) * (1.0 + rel)
         else:
             rel = 0.0
-        err = (rel * (1.0 + 1e-6) + 2.0 * (din + dout + t * t + 8) * _U64) * s.square()
-        return torch.minimum(w.clamp_min(0.0) + err, s.square())
+        tail = Tail("ghost", w, s, rel * (1.0 + 1e-6) + 2.0 * (din + dout + t * t + 8) * _U64)
+        return tail if defer else tail.value()
     chunk = max(1, _CHUNK // max(1, din * dout + t * (din + dout)))
     parts = []
     for i in range(0, b, chunk):
@@ -823,7 +882,8 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None) -> torch.
     w = torch.cat(parts)
     # each entry of the float32 product is off by ≤ γ_T Σ_t |g_t,i||a_t,j|: in norm ≤ γ_T·s
     rel = _gamma(t, g.dtype) * (1.0 + 1e-6) if fast else 0.0
-    return torch.minimum((w.sqrt() + (rel + 2.0 * (t + 2) * _U64) * s).square(), s.square())
+    tail = Tail("sum", w, s, rel + 2.0 * (t + 2) * _U64, cap=True)
+    return tail if defer else tail.value()
 
 
 def _tied_sq(rows: Rows, fs: Sequence[Factored]) -> torch.Tensor:
@@ -917,13 +977,25 @@ def _plus(total: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return x if total is None else total + x
 
 
-def param_sq_norms(cs: List[Contribution], b: int, cache: Optional[dict] = None) -> Tuple[torch.Tensor, List[Contribution]]:
+def param_sq_norms(
+    cs: List[Contribution], b: int, cache: Optional[dict] = None, *, defer: bool = False
+) -> Tuple[Any, List[Contribution]]:
     """(upper bounds of each record's squared gradient norm for one parameter, the uses to
-    form its clipped sum from)."""
+    form its clipped sum from). ``defer``: a parameter of one factored use may return its
+    bound as a :class:`Tail`, for :func:`finish` to complete with the other parameters'."""
     param = cs[0].param
     total: Any = None
     used: List[Contribution] = []
-    for group in _by_rows(cs, int(param.shape[0]) if param.dim() else 1):
+    groups = _by_rows(cs, int(param.shape[0]) if param.dim() else 1)
+    if defer and len(groups) == 1:
+        group = _merge_dense(groups[0])
+        if len({c.rows for c in group}) == 1 and {type(c) for c in group} == {Factored} and len(
+            {c.a is None for c in group}
+        ) == 1 and len({None if c.a is None else c.a.shape[2] for c in group}) == 1:  # type: ignore[union-attr]
+            return _factored_sq(group, cache if len(group) == 1 else None, defer=True), list(group)  # type: ignore[arg-type]
+        if len(group) == 1 and isinstance(group[0], ConvFactors):
+            return group[0].sq_norms(defer=True), list(group)
+    for group in groups:
         group = _merge_dense(group)
         same = all(c.rows == group[0].rows for c in group)
         kinds = {type(c) for c in group}

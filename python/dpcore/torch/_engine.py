@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import SHARED, Contribution, Grouping, gather, param_sq_norms, row_sq, shared_factors
+from ._contrib import SHARED, Contribution, Grouping, finish, gather, param_sq_norms, row_sq, shared_factors
 from ._lean import LeanPasses, check_memory, nonfinite_records
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
@@ -449,10 +449,10 @@ class PerRecordGradients:
                 out.append(None)
                 self._used.append(None)
                 continue
-            sq, used = param_sq_norms(mine, units, cache)
+            sq, used = param_sq_norms(mine, units, cache, defer=True)
             out.append(sq)
             self._used.append(used)
-        out = self._stacked(out, s2)
+        out = self._stacked(finish(out), s2)
         return units, out
 
     def _stacked(self, out: List[Optional[torch.Tensor]], s2: Any) -> List[Optional[torch.Tensor]]:
