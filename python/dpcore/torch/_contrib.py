@@ -589,9 +589,9 @@ class ConvFactors(Contribution):
             # each row's t products summed in the Grams' dtype, the rows in float64
             ws.append(ga.mul_(gg).sum(2).double().reshape(n, groups * t).sum(1))
             del ga, gg
-        w = torch.cat(ws)
+        w = _cat(ws)
         # Σ_t ‖a_t‖‖g_t‖ (over every group: Σ_j s_j² ≤ (Σ_j s_j)²), its float64 rounding covered
-        s = torch.cat(ss) * (1.0 + 2.0 * (groups * t + 4) * _U64)
+        s = _cat(ss) * (1.0 + 2.0 * (groups * t + 4) * _U64)
         if fast:
             rel = ga_ + gg_ + ga_ * gg_
             rel = rel + _gamma(t + 1, wdt) * (1.0 + rel)
@@ -746,6 +746,11 @@ def _gram(x: torch.Tensor, cache: Optional[dict], key: Any) -> torch.Tensor:
     return out
 
 
+def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
+    """The chunks' results joined (one chunk, the usual case: itself, no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _widen(t: torch.Tensor) -> torch.Tensor:
     """bfloat16/float16 as float32 (exact: every such value is a float32)."""
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
@@ -859,7 +864,7 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None, defer: bo
             gg = _gram(gi, cache, (id(g0), i, fast))
             # each row's t products summed in the Grams' dtype, the rows in float64
             parts.append((ga * gg).sum(2).double().sum(1))
-        w = torch.cat(parts)
+        w = _cat(parts)
         if fast:
             # |Âts·Ĝts − Ats·Gts| ≤ (γ_din + γ_dout + γ_din·γ_dout)‖a_t‖‖a_s‖‖g_t‖‖g_s‖, and the
             # float32 product and row sums add γ_{t+1} of Σ_{t,s}|Âts·Ĝts| ≤ (1 + rel)·s²
@@ -879,7 +884,7 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None, defer: bo
         per = torch.bmm(gi.transpose(1, 2), ai)
         (sq,) = row_sq(per.reshape(per.shape[0], -1))
         parts.append(sq)
-    w = torch.cat(parts)
+    w = _cat(parts)
     # each entry of the float32 product is off by ≤ γ_T Σ_t |g_t,i||a_t,j|: in norm ≤ γ_T·s
     rel = _gamma(t, g.dtype) * (1.0 + 1e-6) if fast else 0.0
     tail = Tail("sum", w, s, rel + 2.0 * (t + 2) * _U64, cap=True)
@@ -912,7 +917,7 @@ def _tied_sq(rows: Rows, fs: Sequence[Factored]) -> torch.Tensor:
             ai, ei = ai.double(), ei.double()
         ae = torch.bmm(ai, ei.transpose(1, 2))
         parts.append((sel.double() * ae.double()).sum((1, 2)))
-    cross = torch.cat(parts)
+    cross = _cat(parts)
     rel = _gamma(a.shape[2], a.dtype) * (1.0 + 1e-6) if fast else 0.0
     err = (rel + 2.0 * (a.shape[2] + t * n + 8) * _U64) * sl * se
     total = wl + we + 2.0 * (cross + err)
@@ -935,7 +940,7 @@ def _dense_sq(cs: Sequence[Contribution], b: int) -> torch.Tensor:
             err = err + e
         n = torch.linalg.vector_norm(tot.reshape(hi - lo, -1), dim=1)
         out.append((n + err).square())
-    return torch.cat(out)
+    return _cat(out)
 
 
 def _overlap(x: Tuple[int, int], y: Tuple[int, int]) -> bool:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import SHARED, Contribution, Grouping, finish, gather, param_sq_norms, row_sq, shared_factors
+from ._contrib import SHARED, Contribution, Dense, Grouping, _cw, finish, gather, param_sq_norms, row_sq, shared_factors
 from ._lean import LeanPasses, check_memory, nonfinite_records
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
@@ -510,6 +510,44 @@ class PerRecordGradients:
             for u in used or ():
                 u.zero_records(mask, memo)
 
+    def _scaled(self, f: torch.Tensor, cache: Dict[Any, Any]) -> torch.Tensor:
+        key = ("c", id(f))
+        c = cache.get(key)
+        if c is None:  # one scaled copy per group, shared by its parameters
+            c = cache[key] = f if is_one(self._scale) else f * self._scale
+        return c
+
+    def _dense_sums(self, factors: List[Optional[torch.Tensor]], into: Sequence[Optional[torch.Tensor]],
+                    cache: Dict[Any, Any]) -> Dict[int, torch.Tensor]:
+        """The clipped sums of the parameters whose one use is a materialised per-record
+        gradient (normalisation layers' scales and shifts, biases of some rules), three or more
+        of one clipping group: one matrix-vector product over their concatenation and one
+        ``_foreach_add_`` into their accumulators, instead of two operators per parameter.
+        {parameter index: its accumulator} of those done."""
+        groups: Dict[Any, List[int]] = {}
+        for k, p in enumerate(self.params):
+            used = self._used[k] if k < len(self._used) else None
+            base = into[k]
+            if not used or len(used) != 1 or factors[k] is None or type(used[0]) is not Dense or used[0].rows is not None:
+                continue
+            wd = work_dtype(p.dtype)
+            if base is None or base.dtype != wd or base.device != p.device or not base.is_contiguous():
+                continue
+            groups.setdefault((id(factors[k]), p.device, wd), []).append(k)
+        done: Dict[int, torch.Tensor] = {}
+        for (_, _, wd), ks in groups.items():
+            if len(ks) < 3:
+                continue
+            c = _cw(self._scaled(factors[ks[0]], cache), wd, 1, cache)  # type: ignore[arg-type]
+            pers = [self._used[k][0].per for k in ks]  # type: ignore[index]
+            b = pers[0].shape[0]
+            mat = torch.cat([q.reshape(b, -1).to(wd) for q in pers], 1)
+            sums = torch.mv(mat.t(), c).split([q[0].numel() for q in pers])
+            accs = [into[k] for k in ks]
+            torch._foreach_add_([a.view(-1) for a in accs], list(sums))  # type: ignore[union-attr]
+            done.update(zip(ks, accs))  # type: ignore[arg-type]
+        return done
+
     @torch.no_grad()
     def clipped_sums(
         self,
@@ -541,9 +579,17 @@ class PerRecordGradients:
         # scaled copies of factors that several uses share (only those: see _contrib.SHARED)
         cache: Dict[Any, Any] = {SHARED: shared_factors([u for used in self._used if used for u in used])}
         try:
+            done = self._dense_sums(factors, into, cache) if only is None else {}
             for k, p in enumerate(self.params):
                 used = self._used[k] if k < len(self._used) else None
                 base = into[k]
+                if k in done:
+                    out.append(done[k])
+                    if clear:
+                        for u in used or ():
+                            u.release()
+                        self._used[k] = None
+                    continue
                 if used is None or factors[k] is None or (only is not None and k != only):
                     out.append(base)
                     continue
@@ -552,10 +598,7 @@ class PerRecordGradients:
                 # A plain tensor of the parameter's full shape, also for a sharded (FSDP2) one:
                 # the sums are reduce-scattered to the shards afterwards.
                 acc = base if direct else torch.zeros(tuple(p.shape), dtype=wd, device=p.device)
-                key = ("c", id(factors[k]))
-                c = cache.get(key)
-                if c is None:  # one scaled copy per group, shared by its parameters
-                    c = cache[key] = factors[k] if is_one(self._scale) else factors[k] * self._scale
+                c = self._scaled(factors[k], cache)  # type: ignore[arg-type]
                 for u in used:
                     u.add_clipped(c, acc, cache)  # type: ignore[arg-type]
                 if base is not None and not direct:
