@@ -17,6 +17,9 @@ Models (the issue's):
 * ``gpt2-lora``: GPT-2 from a config (4 layers, 256 wide, 4 heads, vocabulary 8000) with peft
   LoRA r = 8 on c_attn and c_proj; B = 16, T = 64; the loss is each sequence's mean token loss,
   averaged over the batch.
+* ``trainer-lora``, ``trainer-full``: the Hugging Face ``Trainer`` against dpcore's ``DPTrainer``
+  on bench_trainer.py's tiny GPT-2 (LoRA on c_attn, or every weight), counted from each
+  optimizer step's begin to its end (the Trainer's callbacks).
 
 Configurations: ``non-private`` (zero_grad, forward, loss, backward, SGD step), ``dpcore`` and
 ``dpcore-lean`` (``make_private`` with Poisson sampling, σ = 1, C = 1, noise drawn on the
@@ -47,7 +50,7 @@ from torch import nn  # noqa: E402
 
 from dpcore.torch.opcount import OpCounter  # noqa: E402
 
-MODELS = ("transformer", "cnn", "gpt2-lora")
+MODELS = ("transformer", "cnn", "gpt2-lora", "trainer-lora", "trainer-full")
 CONFIGS = ("non-private", "dpcore", "dpcore-lean", "opacus-ghost")
 # issue 52's targets: dpcore's operators per step at most this multiple of non-private's
 TARGET = {("transformer", "dpcore"): 1.5, ("gpt2-lora", "dpcore"): 1.5, ("cnn", "dpcore"): 2.0,
@@ -194,6 +197,65 @@ def count(model_name: str, config: str, warmup: int = 3, steps: int = 5) -> Dict
     return out
 
 
+def count_trainer(mode: str, config: str, warmup: int = 3, steps: int = 5) -> Dict[str, Any]:
+    """Operators per optimizer step of the Hugging Face Trainer (``trainer``) and dpcore's
+    DPTrainer (``dptrainer``) on bench_trainer.py's tiny GPT-2 (``lora`` or ``full``), counted
+    from each step's begin to its end (callbacks: the training step, the clip, noise, release
+    and update; the Trainer's own bookkeeping in both)."""
+    import shutil
+    import tempfile
+
+    import transformers
+
+    import bench_trainer as btr
+
+    out: Dict[str, Any] = {"model": f"trainer-{mode}", "config": config}
+    tmp = tempfile.mkdtemp(prefix="bench_step_ops_")
+    try:
+        model = btr._model(mode)
+        counts: List[OpCounter] = []
+
+        class Count(transformers.TrainerCallback):
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                opt = getattr(kw.get("optimizer"), "optimizer", kw.get("optimizer"))
+                if hasattr(opt, "noise_device"):
+                    opt.noise_device = "device"
+                    opt._noise.gaussian.ahead = False
+                c = OpCounter()
+                c.__enter__()
+                counts.append(c)
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                counts[-1].__exit__(None, None, None)
+
+        targs = transformers.TrainingArguments(
+            output_dir=tmp, use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no", logging_strategy="no",
+            per_device_train_batch_size=btr.BATCH, gradient_accumulation_steps=1, max_steps=warmup + steps,
+            dataloader_num_workers=0, seed=SEED)
+        kw = dict(model=model, args=targs, train_dataset=btr._data(), data_collator=transformers.default_data_collator,
+                  callbacks=[Count()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if config == "trainer":
+                trainer: Any = transformers.Trainer(**kw)
+            else:
+                from dpcore.transformers import DPTrainer
+
+                trainer = DPTrainer(**kw, noise_multiplier=1.0, max_grad_norm=1.0, seed=SEED,
+                                    ledger=os.path.join(tmp, "ledger.jsonl"))
+            trainer.train()
+        done = counts[warmup:]
+        out.update(ops=statistics.median(c.total for c in done), kernels=statistics.median(c.kernels for c in done),
+                   syncs=statistics.median(c.syncs for c in done), sync_ops=dict(done[len(done) // 2].sync_ops),
+                   top=done[-1].ops.most_common(12))
+    except Exception as e:  # reported in the table
+        traceback.print_exc(file=sys.stderr)
+        out["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
@@ -205,7 +267,12 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     res = []
     for m in a.models:
-        rows = [count(m, c) for c in a.configs]
+        if m.startswith("trainer-"):
+            rows = [count_trainer(m.split("-", 1)[1], c) for c in ("trainer", "dptrainer")]
+            for r in rows:  # the plain Trainer is this table's anchor
+                r["config"] = "non-private" if r["config"] == "trainer" else "dpcore (DPTrainer)"
+        else:
+            rows = [count(m, c) for c in a.configs]
         res += rows
         base = next((r.get("ops") for r in rows if r["config"] == "non-private"), None)
         kbase = next((r.get("kernels") for r in rows if r["config"] == "non-private"), None)

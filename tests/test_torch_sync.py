@@ -251,3 +251,19 @@ def test_stacked_tails_equal_each_parameters_own_bit_for_bit():
     assert got[0] is mixed[0] and got[-1] is None
     for t, v in zip(tails, got[1:-1]):
         assert torch.equal(v, t.value())
+
+
+def test_the_dp_trainer_adds_no_synchronisation_to_the_trainers_own():
+    # the Hugging Face Trainer reads a few values itself (its loss bookkeeping); DPTrainer adds none
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+    try:
+        import bench_step_ops as bso
+    finally:
+        sys.path.pop(0)
+    plain = bso.count_trainer("lora", "trainer", warmup=2, steps=3)
+    dp = bso.count_trainer("lora", "dptrainer", warmup=2, steps=3)
+    assert "error" not in plain and "error" not in dp, (plain, dp)
+    assert dp["sync_ops"] == plain["sync_ops"], (plain["sync_ops"], dp["sync_ops"])
