@@ -13,6 +13,7 @@ and asserted exactly; ``tests/test_cuda.py`` runs a step under
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import tempfile
@@ -267,3 +268,41 @@ def test_the_dp_trainer_adds_no_synchronisation_to_the_trainers_own():
     dp = bso.count_trainer("lora", "dptrainer", warmup=2, steps=3)
     assert "error" not in plain and "error" not in dp, (plain, dp)
     assert dp["sync_ops"] == plain["sync_ops"], (plain["sync_ops"], dp["sync_ops"])
+
+
+@pytest.mark.parametrize("width,rank,path", [(32, 32, "ghost"), (16, 2, "product")])
+def test_layers_of_one_shape_stacked_give_the_same_bounds(monkeypatch, width, rank, path):
+    # four blocks of one shape: their norms are taken as one stack; the bounds are those of one
+    # layer at a time (up to the rounding the bounds allow for) and above the exact norms
+    from dpcore.torch._engine import PerRecordGradients
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)) for _ in range(4)]
+    model = nn.Sequential(*blocks)
+    x = torch.randn(6, 5, width)
+
+    def norms(stack: bool):
+        eng = PerRecordGradients(model, list(model.parameters()))
+        seen = []
+        orig = PerRecordGradients._ghost_groups
+        monkeypatch.setattr(PerRecordGradients, "_ghost_groups", lambda self, by, sh: seen.append(orig(self, by, sh)) or seen[-1])
+        if not stack:
+            monkeypatch.setattr(PerRecordGradients, "_ghost_groups", lambda self, by, shared: {})
+        model(x).square().sum(2).mean(1).mean().backward()
+        b, sq = eng.squared_norms()
+        eng.remove()
+        monkeypatch.undo()
+        if stack:  # every layer went through the stacked path, the one this case is about
+            assert len(seen[0]) == 8 and {t.form for t in seen[0].values()} == {"ghost" if path == "ghost" else "sum"}
+        return torch.stack(sq)
+
+    stacked, alone = norms(True), norms(False)
+    torch.testing.assert_close(stacked, alone, rtol=1e-12, atol=0.0)
+    exact = []
+    ref = copy.deepcopy(model).double()  # brute force in float64
+    for i in range(6):
+        ref.zero_grad()
+        ref(x[i : i + 1].double()).square().sum(2).mean(1).sum().backward()
+        exact.append(torch.stack([p.grad.square().sum() for p in ref.parameters()]))
+    exact = torch.stack(exact, 1)
+    assert (stacked >= exact * (1 - 1e-12)).all() and (stacked <= exact * (1 + 1e-4) + 1e-12).all()

@@ -891,6 +891,58 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None, defer: bo
     return tail if defer else tail.value()
 
 
+def ghost_key(c: Contribution, shared: set) -> Optional[Tuple[Any, ...]]:
+    """For a parameter's single factored use whose norm :func:`_factored_sq` would take in
+    float32, in one chunk, from factors no other use shares: the path (ghost norms or the
+    materialised product) and the shape under which uses can be stacked
+    (:func:`ghost_sq_many`); else None."""
+    if type(c) is not Factored or c.a is None or c.rows is not None:
+        return None
+    a, g = c.a, c.g
+    if id(a) in shared or id(g) in shared or a.dtype != torch.float32 or g.dtype != torch.float32:
+        return None
+    if not (_exact_matmul(g) and _exact_matmul(a)) or a.device != g.device:
+        return None
+    b, t, dout = g.shape
+    din = a.shape[2]
+    if t == 1:
+        return None
+    if t * (din + dout) <= din * dout:
+        return None if b > max(1, _CHUNK // max(1, t * (t + din + dout))) else ("ghost", b, t, din, dout, a.device)
+    if b > max(1, _CHUNK // max(1, din * dout + t * (din + dout))):
+        return None
+    return ("product", b, t, din, dout, a.device)
+
+
+def ghost_sq_many(cs: Sequence[Factored]) -> List[Tail]:
+    """The ghost-norm bounds of :func:`_factored_sq` for L uses of one :func:`ghost_key`, as
+    stacked products: one batched Gram product per factor for all of them (L·B matrices), the
+    row norms and sums of all at once, instead of a dozen operators per layer. Each layer's
+    bound is the one-layer formula with its own constants (the γ bounds hold for any order of
+    summation, so batching changes no bound)."""
+    a = torch.stack([c.a for c in cs])  # type: ignore[misc]
+    g = torch.stack([c.g for c in cs])
+    n, b, t, din = a.shape
+    dout = g.shape[3]
+    af, gf = a.view(n * b, t, din), g.view(n * b, t, dout)
+    sx, sg = row_sq(af.reshape(n * b * t, din), gf.reshape(n * b * t, dout))
+    s = (sx.sqrt() * sg.sqrt()).view(n, b, t).sum(2)  # Σ_t ‖a_t‖‖g_t‖ per layer and record
+    if t * (din + dout) > din * dout:
+        # the materialised per-record products g_iᵀa_i, their norms (the "sum" bound)
+        per = torch.bmm(gf.transpose(1, 2), af)
+        (w,) = row_sq(per.reshape(n * b, din * dout))
+        kp = _gamma(t, g.dtype) * (1.0 + 1e-6) + 2.0 * (t + 2) * _U64
+        return [Tail("sum", wl, sl, kp, cap=True) for wl, sl in zip(w.view(n, b).unbind(0), s.unbind(0))]
+    ga = torch.bmm(af, af.transpose(1, 2))
+    gg = torch.bmm(gf, gf.transpose(1, 2))
+    w = (ga * gg).sum(2).double().sum(1).view(n, b)
+    ga_, gg_ = _gamma(din, g.dtype), _gamma(dout, g.dtype)
+    rel = ga_ + gg_ + ga_ * gg_
+    rel = rel + _gamma(t + 1, g.dtype) * (1.0 + rel)
+    k = rel * (1.0 + 1e-6) + 2.0 * (din + dout + t * t + 8) * _U64
+    return [Tail("ghost", wl, sl, k) for wl, sl in zip(w.unbind(0), s.unbind(0))]
+
+
 def _tied_sq(rows: Rows, fs: Sequence[Factored]) -> torch.Tensor:
     """‖L + E‖² per record for a matrix used both as an embedding (E: rows idx_s get e_s) and
     as a linear map (L = Σ_t g_t a_tᵀ): tied input and output embeddings of language models.

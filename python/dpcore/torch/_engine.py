@@ -32,7 +32,10 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import SHARED, Contribution, Dense, Grouping, _cw, finish, gather, param_sq_norms, row_sq, shared_factors
+from ._contrib import (
+    _CHUNK as CHUNK, SHARED, Contribution, Dense, Grouping, _cw, finish, gather, ghost_key, ghost_sq_many, param_sq_norms, row_sq,
+    shared_factors,
+)
 from ._lean import LeanPasses, check_memory, nonfinite_records
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
@@ -443,17 +446,44 @@ class PerRecordGradients:
         # Gram matrices of factors shared between parameters (only those: the others' are
         # dropped as soon as their norm is taken)
         cache: Dict[Any, Any] = {SHARED: shared_factors(cs)}
-        for p in self.params:
+        stacked = self._ghost_groups(by, cache[SHARED])
+        for k, p in enumerate(self.params):
             mine = by.get(id(p))
             if not mine:
                 out.append(None)
                 self._used.append(None)
+                continue
+            if k in stacked:
+                out.append(stacked[k])
+                self._used.append(list(mine))
                 continue
             sq, used = param_sq_norms(mine, units, cache, defer=True)
             out.append(sq)
             self._used.append(used)
         out = self._stacked(finish(out), s2)
         return units, out
+
+    def _ghost_groups(self, by: Dict[int, List[Contribution]], shared: set) -> Dict[int, Any]:
+        """The ghost norms of layers of one shape (the blocks of a transformer) stacked: {param
+        index: its Tail} for groups of two or more (:func:`ghost_sq_many`)."""
+        groups: Dict[Any, List[int]] = {}
+        for k, p in enumerate(self.params):
+            mine = by.get(id(p))
+            if mine and len(mine) == 1:
+                key = ghost_key(mine[0], shared)
+                if key is not None:
+                    groups.setdefault(key, []).append(k)
+        out: Dict[int, Any] = {}
+        for key, ks in groups.items():
+            path, b, t, din, dout, _ = key
+            # as many layers per stack as one chunk of the one-layer path holds (temporaries bounded)
+            per = b * (t * (t + din + dout) if path == "ghost" else din * dout + t * (din + dout))
+            step = max(1, CHUNK // max(1, per))
+            for i in range(0, len(ks), step):
+                part = ks[i : i + step]
+                if len(part) >= 2:
+                    out.update(zip(part, ghost_sq_many([by[id(self.params[k])][0] for k in part])))  # type: ignore[misc]
+        return out
 
     def _stacked(self, out: List[Optional[torch.Tensor]], s2: Any) -> List[Optional[torch.Tensor]]:
         """The parameters' squared norms scaled by ``s2`` in one operator on their stack (P, B),
