@@ -36,7 +36,7 @@ from ._contrib import (
     _CHUNK as CHUNK, SHARED, Contribution, Dense, Grouping, _cw, finish, gather, ghost_key, ghost_sq_many, param_sq_norms, row_sq,
     shared_factors,
 )
-from ._lean import LeanPasses, check_memory, nonfinite_records
+from ._lean import LeanPasses, check_memory
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
 
 __all__ = ["PerRecordGradients", "FallbackWarning", "clip_factors", "clip_margin", "replace_batchnorm", "MIN_FACTOR", "ON_NONFINITE"]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import SHARED, Contribution, param_sq_norms
+from ._contrib import SHARED, Contribution, finish, param_sq_norms
 
 
 def is_one(x: Any) -> bool:
@@ -45,7 +45,7 @@ def is_one(x: Any) -> bool:
     return isinstance(x, (int, float)) and x == 1.0
 from ._autograd import functorch_active as _functorch, graph_task as _graph_task, retaining
 
-__all__ = ["MEMORY", "LeanPasses", "check_memory", "nonfinite_records", "norm_totals"]
+__all__ = ["MEMORY", "LeanPasses", "check_memory"]
 
 from .._names import MEMORY, memory as check_memory  # noqa: E402  (one name across the front ends)
 
@@ -143,7 +143,7 @@ class LeanPasses:
         # the step's clip factors cast and shaped once for all uses (no factor copies kept: SHARED empty)
         self.ccache: Dict[Any, Any] = {SHARED: set()}
         self.mask: Optional[torch.Tensor] = None
-        self.totals: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None
+        self.totals: Any = None  # (the scaled norms, their total, the mask), once per step
         self.sig: Any = None
 
     def expect(self, params: Sequence[Optional[nn.Parameter]]) -> None:
@@ -319,9 +319,9 @@ class LeanPasses:
         if self.b == 0:
             return
         units, cs = self.engine.units(self.b, cs)
-        sq, _ = param_sq_norms(cs, units, None)
-        s2 = self.scale**2
-        self.sq[k] = sq if is_one(s2) else sq * s2
+        # unscaled, possibly a Tail: finished and scaled with every parameter's at once
+        # (squared_norms), a few operators per step instead of a few per parameter
+        self.sq[k], _ = param_sq_norms(cs, units, None, defer=True)
 
     def squared_norms(self, held: List[Any]) -> Tuple[int, List[Optional[torch.Tensor]]]:
         """The engine's :meth:`squared_norms` in lean mode: the norms of the norm pass."""
@@ -350,11 +350,10 @@ class LeanPasses:
         if self.phase is None or self.b is None or self.b == 0:
             e._used = [None] * n
             return 0, [None] * n
-        out = list(self.sq)
         if self.totals is None:  # once per step: the sum pass's and the step's mask are one tensor
-            tot, bad = norm_totals(out)
-            self.totals = (tot, None if bad is None else e.with_padding(bad))
-        e.sq_total, e.nonfinite = self.totals
+            out = e._stacked(finish(list(self.sq)), self.scale**2)
+            self.totals = (out, e.sq_total, e.nonfinite)
+        out, e.sq_total, e.nonfinite = list(self.totals[0]), self.totals[1], self.totals[2]
         e._used = [None] * n
         return self.units, out
 
@@ -446,25 +445,3 @@ def _graph_leaves(outs: List[torch.Tensor]) -> List[torch.Tensor]:
             if nxt is not None and id(nxt) not in seen:
                 stack.append(nxt)
     return list(found.values())
-
-
-def norm_totals(parts: Sequence[Optional[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(Σ_parts squared norms (B,), the records whose squared norm is NaN or infinite in some
-    part (B,) bool), or (None, None) without a part. The parts are stacked and summed once,
-    whatever their number (a few operators per step, not a few per parameter), and the mask is
-    left on the device: whether a record is non-finite is never read on the host, so no control
-    flow depends on it and no synchronisation waits for it. A sum of non-negative terms is
-    NaN or infinite exactly when one of them is (or when it overflows float64, ~1e308: such a
-    record counts as non-finite too, a decision on that record's own norm)."""
-    live = [p for p in parts if p is not None]
-    if not live:
-        return None, None
-    dev = live[0].device
-    tot = live[0] if len(live) == 1 else torch.stack([p.to(dev) for p in live]).sum(0)
-    return tot, ~torch.isfinite(tot)
-
-
-def nonfinite_records(parts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
-    """The records (B,) whose squared norm is NaN or infinite in some part (a device mask,
-    never read on the host; see :func:`norm_totals`), or None without a part."""
-    return norm_totals(parts)[1]
