@@ -333,7 +333,8 @@ class LeanPasses:
             raise ValueError(
                 f"memory='lean': layer {r.name!r} was differentiated outside the model's forward pass (its output did "
                 "not reach the loss through the model's outputs): the lean mode takes norms and sums in the backward "
-                "pass below the outputs. Compute the loss from the model's outputs, or use memory='default'"
+                "pass below the outputs. Compute the loss from the model's outputs, or use memory='default' (which "
+                "torch.compile(model) needs too: the lean mode's norm pass does not run inside a compiled model yet)"
             )
         if self.phase == _SUMS:
             # at the step, before anything is recorded: the sum pass saw what the norm pass saw
