@@ -306,3 +306,17 @@ def test_layers_of_one_shape_stacked_give_the_same_bounds(monkeypatch, width, ra
         exact.append(torch.stack([p.grad.square().sum() for p in ref.parameters()]))
     exact = torch.stack(exact, 1)
     assert (stacked >= exact * (1 - 1e-12)).all() and (stacked <= exact * (1 + 1e-4) + 1e-12).all()
+
+
+def test_joined_row_norms_equal_each_tensors_own():
+    # the accelerator path of row_sq (many tensors in a fixed number of operators), run on CPU
+    from dpcore.torch._contrib import _row_sq_joined, _sq
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(5, w, generator=g) * 10.0 ** k for k, w in enumerate((3, 1, 7, 4, 2, 9))]
+    _row_sq_joined(ts)  # (the column map is made once per widths)
+    with OpCounter() as c:
+        got = _row_sq_joined(ts)
+    assert c.kernels <= 6, dict(c.ops)  # whatever the number of tensors
+    for t, s in zip(ts, got):
+        torch.testing.assert_close(s, _sq(t, 1), rtol=1e-14, atol=0.0)

@@ -82,7 +82,31 @@ def row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
         from .. import _core
 
         return [torch.from_numpy(s) for s in _core.part_sumsq([t.detach().contiguous().numpy() for t in ts], parallel=False)]
+    if len(ts) > 2 and len({(t.shape[0], t.device) for t in ts}) == 1:
+        return _row_sq_joined(ts)
     return [_sq(t, 1) for t in ts]
+
+
+#: Column -> tensor index of joined row norms (:func:`_row_sq_joined`), by (widths, device).
+_SEGMENTS: Dict[Any, torch.Tensor] = {}
+
+
+def _row_sq_joined(ts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """:func:`row_sq` of many 2-D tensors with the same rows on an accelerator, in a fixed
+    number of operators: the tensors side by side, squared in float64 (exact for float32 and
+    narrower) and summed per tensor by one ``index_add_`` (instead of two operators a tensor)."""
+    b, dev = ts[0].shape[0], ts[0].device
+    widths = tuple(int(t.shape[1]) for t in ts)
+    key = (widths, dev)
+    seg = _SEGMENTS.get(key)
+    if seg is None:
+        if len(_SEGMENTS) > 256:
+            _SEGMENTS.clear()
+        seg = _SEGMENTS[key] = torch.repeat_interleave(torch.arange(len(ts)), torch.tensor(widths)).to(dev, non_blocking=True)
+    dt = ts[0].dtype if len({t.dtype for t in ts}) == 1 else torch.float64
+    sq = torch.cat([t.to(dt) for t in ts], 1).to(torch.float64).square_()
+    out = torch.zeros(len(ts), b, dtype=torch.float64, device=dev).index_add_(0, seg, sq.t())
+    return list(out.unbind(0))
 
 
 def _zero_rows(t: torch.Tensor, mask: torch.Tensor, memo: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -756,6 +780,20 @@ def _widen(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
+class RowSq:
+    """A parameter's per-record squared norms to be taken as the row sums of squares of ``t``
+    (B, d): :func:`finish` takes those of all such parameters in one :func:`row_sq` call (one
+    call of the core on CPU, a fixed number of operators on an accelerator)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def value(self) -> torch.Tensor:
+        return row_sq(self.t)[0]
+
+
 class Tail:
     """An upper bound of per-record squared norms (B,) left before its last elementwise steps,
     which are the same for many parameters: :func:`finish` runs them once on the stack of all
@@ -790,11 +828,20 @@ _TAIL_K: Dict[Any, torch.Tensor] = {}
 def finish(values: List[Any]) -> List[Any]:
     """``values`` with every :class:`Tail` replaced by its value, the tails of one form stacked
     and finished together (:class:`Tail`)."""
+    out = list(values)
+    rows: Dict[Any, List[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, RowSq):
+            rows.setdefault((v.t.device, v.t.shape[0]), []).append(i)
+    for idx in rows.values():
+        for i, s in zip(idx, row_sq(*[values[i].t for i in idx])):
+            out[i] = s
+    values = out
+    out = list(values)
     groups: Dict[Any, List[int]] = {}
     for i, v in enumerate(values):
         if isinstance(v, Tail):
             groups.setdefault((v.form, v.cap, v.w.device, tuple(v.w.shape)), []).append(i)
-    out = list(values)
     for (form, cap, dev, _), idx in groups.items():
         if len(idx) == 1:
             out[idx[0]] = values[idx[0]].value()
@@ -1052,6 +1099,8 @@ def param_sq_norms(
             return _factored_sq(group, cache if len(group) == 1 else None, defer=True), list(group)  # type: ignore[arg-type]
         if len(group) == 1 and isinstance(group[0], ConvFactors):
             return group[0].sq_norms(defer=True), list(group)
+        if len(group) == 1 and type(group[0]) is Dense:
+            return RowSq(group[0].per.reshape(b, -1)), list(group)  # type: ignore[attr-defined]
     for group in groups:
         group = _merge_dense(group)
         same = all(c.rows == group[0].rows for c in group)
