@@ -498,19 +498,41 @@ def device_gaussian_noise_many(
             sds += [items[i][1]] * chunks
         rows = len(hi)
         flat = torch.empty((rows, NOISE_CHUNK), dtype=dtype, device=dev)
-        hi_t = torch.tensor(hi, dtype=torch.int32).to(dev, non_blocking=True)
-        lo_t = torch.tensor(lo, dtype=torch.int32).to(dev, non_blocking=True)
-        sd_t = torch.tensor(sds, dtype=torch.float64).to(dev, non_blocking=True)
+        hi_t, lo_t, sd_t = _row_tables(hi, lo, sds, dev)
         for r0 in range(0, rows, per_batch):
             r1 = min(rows, r0 + per_batch)
             words = _rows_words(kw, hi_t[r0:r1], lo_t[r0:r1], dev, fused)
             _box_muller_rows_(words, sd_t[r0:r1], flat[r0:r1])
             del words
-        flat1 = flat.view(-1)
-        for i, s0 in zip(mine, start):
-            dims, _, _, n = items[i]
-            out[i] = flat1[s0 * NOISE_CHUNK : s0 * NOISE_CHUNK + n].view(dims)
+        # each tensor a view of its rows (one split for all, not a slice each), padding skipped
+        sizes: List[int] = []
+        for j, (i, s0) in enumerate(zip(mine, start)):
+            end = start[j + 1] if j + 1 < len(start) else rows
+            n = items[i][3]
+            sizes += [n, (end - s0) * NOISE_CHUNK - n]
+        pieces = flat.view(-1).split(sizes)
+        for j, i in enumerate(mine):
+            out[i] = pieces[2 * j].view(items[i][0])
     return out  # type: ignore[return-value]
+
+
+#: The (stream hi, stream lo, stddev) tables of a draw's rows on its device, by their values: the
+#: same every release of a run (a copy to the device made once, not three every step).
+_TABLES: dict = {}
+
+
+def _row_tables(hi: List[int], lo: List[int], sds: List[float], dev: torch.device) -> Tuple[torch.Tensor, ...]:
+    key = (dev, tuple(hi), tuple(lo), tuple(sds))
+    hit = _TABLES.get(key)
+    if hit is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        hit = _TABLES[key] = (
+            torch.tensor(hi, dtype=torch.int32).to(dev, non_blocking=True),
+            torch.tensor(lo, dtype=torch.int32).to(dev, non_blocking=True),
+            torch.tensor(sds, dtype=torch.float64).to(dev, non_blocking=True),
+        )
+    return hit
 
 
 def _box_muller_rows_(words: torch.Tensor, stddevs: torch.Tensor, out: torch.Tensor) -> None:
