@@ -407,6 +407,9 @@ class LeanPasses:
                         "was released"
                     )
             out: List[Optional[torch.Tensor]] = []
+            # the sums added into the accumulators (the release's noise) by one _foreach_add_ per
+            # device and dtype, not an add per parameter
+            adds: Dict[Any, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
             for k, p in enumerate(e.params):
                 base = into[k] if k < len(into) else None
                 acc = self.acc[k]
@@ -416,9 +419,15 @@ class LeanPasses:
                 if base is None:
                     out.append(acc)
                 else:
-                    out.append(base.add_(acc.to(device=base.device, dtype=base.dtype)))
+                    acc = acc.to(device=base.device, dtype=base.dtype)
+                    pair = adds.setdefault((base.device, base.dtype), ([], []))
+                    pair[0].append(base)
+                    pair[1].append(acc)
+                    out.append(base)
                 if clear:
                     self.acc[k] = None
+            for bases, accs in adds.values():
+                torch._foreach_add_(bases, accs)
             return out
         finally:
             if clear:
