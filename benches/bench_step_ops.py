@@ -24,7 +24,8 @@ Models (the issue's):
 Configurations: ``non-private`` (zero_grad, forward, loss, backward, SGD step), ``dpcore`` and
 ``dpcore-lean`` (``make_private`` with Poisson sampling, σ = 1, C = 1, noise drawn on the
 parameters' device by torch's ChaCha20 path: ``optimizer.noise_device = "device"``, as on a
-GPU), ``opacus-ghost`` (``PrivacyEngine.make_private(grad_sample_mode="ghost")``). Each step is
+GPU), ``opacus-ghost`` (``PrivacyEngine.make_private(grad_sample_mode="ghost")`` after
+``ModuleValidator.fix``, which swaps in Opacus's DPMultiheadAttention). Each step is
 counted after 3 warm-up steps; the batch is drawn from the loader outside the count (loading is
 host work either way); the median of 5 counted steps is printed (Poisson batches vary in size,
 the counts should not).
@@ -137,7 +138,11 @@ def setup(config: str, model: nn.Module, loader: Any, crit: Any) -> Tuple[Callab
         opt._noise.gaussian.ahead = False
     elif config == "opacus-ghost":
         from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
 
+        # as bench_torch.py: DPMultiheadAttention for nn.MultiheadAttention (weights copied)
+        model = ModuleValidator.fix(model)
+        params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=0.01)
         crit_in = crit if isinstance(crit, nn.Module) else _ModuleLoss(crit)
         model, opt, crit, loader = PrivacyEngine().make_private(
