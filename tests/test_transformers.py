@@ -660,3 +660,41 @@ def test_lean_memory_trains_as_the_default_mode(tmp_path):
         out.append(snapshot(model))
     for k in out[0]:
         assert torch.allclose(out[0][k], out[1][k], atol=1e-6, rtol=1e-5), k
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_padded_micro_batches_train_as_unpadded(tmp_path, full):
+    """pad_batches (issue 52): every micro-batch has the same rows (the real ones first, then
+    masked copies of the first); at noise 0 with the same samples the model, the ledger and the
+    logged losses are the unpadded run's."""
+    shapes = []
+
+    class Spy(DPTrainer):
+        def training_step(self, model, inputs, *a, **k):
+            shapes.append(tuple(inputs["input_ids"].shape))
+            return super().training_step(model, inputs, *a, **k)
+
+    runs = []
+    for pad in (False, True):
+        shapes.clear()
+        model = gpt2() if full else lora(gpt2())
+        tr = Spy(model=model, args=targs(tmp_path / str(pad), max_steps=6, per_device_train_batch_size=2,
+                                         gradient_accumulation_steps=2, optim="sgd", learning_rate=0.5),
+                 train_dataset=DATA, data_collator=transformers.default_data_collator, noise_multiplier=0.0,
+                 max_grad_norm=1.0, seed=3, pad_batches=pad)
+        out = tr.train()
+        runs.append((model, [(s.population_size, s.sampling_probability, s.queries) for s in tr.ledger.samples],
+                     out.training_loss, list(shapes)))
+    (ma, la, lossa, sa), (mb, lb, lossb, sb) = runs
+    assert len({s[0] for s in sa}) > 1 and len({s[0] for s in sb}) == 1  # one shape when padded
+    assert sb[0][0] == tr._dp_run.pad_rows >= 2
+    assert la == lb and lossa == pytest.approx(lossb, rel=1e-5)
+    for (k, p), (_, r) in zip(ma.named_parameters(), mb.named_parameters()):
+        assert torch.allclose(p, r, atol=1e-6, rtol=1e-5), k
+
+
+def test_pad_batches_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="pad_batches must be"):
+        dp_trainer(tmp_path, dp=dict(pad_batches=0))
+    with pytest.raises(ValueError, match="privacy_unit='user'"):
+        dp_trainer(tmp_path, dp=dict(pad_batches=True, privacy_unit="user", user_id_column="uid", examples_per_user=1))

@@ -28,6 +28,7 @@ clipped as one record). Under example-level sampling with a user-level guarantee
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -37,7 +38,7 @@ from ..sampling import sampler_class
 from ..ledger import PrivacyLedger
 from .._seeds import derive_seed
 from ..mechanism import gaussian_noise
-from ..sampling import UserIndex, poisson_sample
+from ..sampling import UserIndex, padded_size, physical_chunks, poisson_sample
 from ..torch._data import empty_batch
 
 __all__ = ["BatchTag", "DPRun", "TrainerBatches", "TAG"]
@@ -55,7 +56,9 @@ class BatchTag:
     """Where a micro-batch sits: logical batch ``serial`` (counted from the start of the run),
     micro-batch ``chunk`` of ``chunks``, ``records`` rows (examples) of the logical batch's
     ``size``. ``groups``: under user-level sampling, the row count of each user in the
-    micro-batch, user-major (they sum to ``records``); None when a record is a row."""
+    micro-batch, user-major (they sum to ``records``); None when a record is a row. ``rows``:
+    padded micro-batches (``pad_batches``), the rows of the batch, its ``records`` real ones
+    first; None when every row is a record."""
 
     serial: int
     chunk: int
@@ -63,6 +66,7 @@ class BatchTag:
     records: int
     size: int
     groups: Optional[Tuple[int, ...]] = None
+    rows: Optional[int] = None
 
 
 class DPRun:
@@ -101,6 +105,10 @@ class DPRun:
         #: ULS: each user's row count in the micro-batch being trained on (user-major), set by
         #: the trainer from its :class:`BatchTag`; read by the DPOptimizer (loader protocol)
         self.record_groups: Optional[np.ndarray] = None
+        #: padded micro-batches: the rows each is padded to (None: no padding), and the real
+        #: records of the micro-batch being trained on (read by the DPOptimizer: loader protocol)
+        self.pad_rows: Optional[int] = None
+        self.record_mask: Optional[np.ndarray] = None
         if users is not None:
             if users.num_examples != self.rows:
                 raise ValueError(f"the user ids cover {users.num_examples} rows but train_dataset has {self.rows}")
@@ -145,6 +153,21 @@ class DPRun:
         self.loss_fn: Optional[Callable[[Any, Dict[str, Any]], Any]] = None
         self.eps_cache: Any = (None, 0.0)
         self.warned: set = set()  # kinds of ledger warning already shown by the ε logging
+
+    def pad_to(self, pad: Any) -> None:
+        """Padded micro-batches (``pad_batches``): ``True`` pads each to the expected micro-batch
+        plus four standard deviations of a Poisson sample's size, rounded up to a multiple of 8
+        (a micro-batch above it, about 3e-5 of them, is padded to its own multiple of 8), an int
+        to that many rows."""
+        if pad is False:
+            self.pad_rows = None
+            return
+        if pad is True:
+            m = self.logical_batch_size
+            spread = 4.0 * math.sqrt(m) if self.poisson else 0.0
+            self.pad_rows = padded_size(math.ceil((m + spread) / self.accumulation), 8)
+        else:
+            self.pad_rows = int(pad)
 
     @property
     def expected_batch_size(self) -> float:
@@ -235,7 +258,11 @@ class DPRun:
 
     def set_groups(self, tag: BatchTag) -> None:
         """The row counts of the users of the micro-batch ``tag`` is about to be trained on, for
-        the DP optimizer's clip (``record_groups``); checked against the privacy unit."""
+        the DP optimizer's clip (``record_groups``); checked against the privacy unit. With
+        padded micro-batches, which rows are records (``record_mask``)."""
+        if tag.rows is not None and (self.pad_rows is None or tag.rows < tag.records):
+            raise RuntimeError("a padded micro-batch reached a DP trainer that does not pad its batches")
+        self.record_mask = None if tag.rows is None else np.arange(tag.rows) < tag.records
         if not self.user_level_sampling:
             if tag.groups is not None:
                 raise RuntimeError("a micro-batch grouped by user reached a DP trainer whose record is one row")
@@ -378,6 +405,15 @@ class TrainerBatches:
                     yield batch
                 continue
             for c, part in enumerate(np.array_split(got, ga)):
-                batch = self._fetch(part)
-                batch[TAG] = BatchTag(serial, c, ga, len(part), len(got))
+                if run.pad_rows is None:
+                    batch = self._fetch(part)
+                    batch[TAG] = BatchTag(serial, c, ga, len(part), len(got))
+                else:
+                    # static shapes: the real rows first, then copies of the first (of row 0 for an
+                    # empty micro-batch), whose clip factor is 0; a micro-batch above the size
+                    # (rare) is padded to the next multiple of 8, never cut
+                    rows = run.pad_rows if len(part) <= run.pad_rows else padded_size(len(part), 8)
+                    (padded, real), = physical_chunks(part, rows, pad=True, fill=int(part[0]) if len(part) else 0)
+                    batch = self._fetch(padded)
+                    batch[TAG] = BatchTag(serial, c, ga, real, len(got), rows=rows)
                 yield batch

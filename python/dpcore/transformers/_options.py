@@ -52,6 +52,9 @@ class _DPOptions:
     max_examples_per_user: Optional[int] = None
     #: "default" or "lean" (:data:`dpcore.torch.MEMORY`): the per-record gradients' memory mode
     memory: str = "default"
+    #: static shapes: False, or the rows every micro-batch is padded to (True: chosen by the
+    #: trainer from the expected micro-batch, see DPRun.pad_rows)
+    pad_batches: Any = False
 
 
 #: The privacy units of the DP trainer (``privacy_unit=``): one example (a row of
@@ -104,6 +107,7 @@ def _dp_options(
     examples_per_user: Optional[int] = None,
     max_examples_per_user: Optional[int] = None,
     memory: str = "default",
+    pad_batches: Any = False,
     _stacklevel: int = 3,
 ) -> _DPOptions:
     """The checks that need neither the model nor the data, made once, before the Trainer is
@@ -184,6 +188,13 @@ def _dp_options(
         if sampler != "poisson":
             raise ValueError("population_size= declares the public N of Poisson sampling (q = batch/N, denominator q·N)")
     users = _check_privacy_unit(privacy_unit, user_id_column, examples_per_user, max_examples_per_user, sampler)
+    if not isinstance(pad_batches, (bool, int)) or (not isinstance(pad_batches, bool) and pad_batches < 1):
+        raise ValueError(f"pad_batches must be True, False or the rows of a padded micro-batch (an int >= 1), got {pad_batches!r}")
+    if pad_batches is not False and users:
+        raise ValueError(
+            "pad_batches is not yet available with privacy_unit='user' (a padded row would join a user's rows); "
+            "use pad_batches=False"
+        )
     if ledger_ahead not in ("refuse", "keep"):
         raise ValueError(f"ledger_ahead must be 'refuse' or 'keep', got {ledger_ahead!r}")
     if ledger is not None and not isinstance(ledger, (PrivacyLedger, str, os.PathLike)):
@@ -196,5 +207,5 @@ def _dp_options(
         privacy_unit="user" if users else "example", user_id_column=user_id_column if users else None,
         examples_per_user=None if examples_per_user is None else int(examples_per_user),
         max_examples_per_user=None if max_examples_per_user is None else int(max_examples_per_user),
-        memory=memory,
+        memory=memory, pad_batches=pad_batches,
     )

@@ -279,6 +279,7 @@ class DPTrainerMixin:
         run.planned_steps = steps
         run.delta = float(delta if delta is not None else target_delta if target_delta is not None else 1.0 / (10.0 * run.population))
         run.accountant = o.accountant
+        run.pad_to(o.pad_batches)
         model = getattr(self, "model", None)
         if o.joint_scales is not None and model is not None:
             m = sum(1 for p in model.parameters() if p.requires_grad)
@@ -525,7 +526,8 @@ class DPTrainerMixin:
         if dp is None:
             raise RuntimeError("the DP trainer's optimizer is not a DPOptimizer (was create_optimizer overridden?)")
         model.train()
-        if tag.records == 0:
+        rows = tag.records if tag.rows is None else tag.rows
+        if rows == 0:
             # An empty micro-batch has no record: nothing to compute. The logical batch is still
             # released (pure noise if every micro-batch is empty): skipping it would show that
             # no record was sampled.
@@ -539,11 +541,15 @@ class DPTrainerMixin:
             inputs = self._prepare_inputs(inputs)
             with self.compute_loss_context_manager():
                 losses = run.loss_fn(model, inputs)
-            if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != tag.records:
+            if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != rows:
                 got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
                 raise ValueError(
-                    f"per_record_loss must return one loss per record, a tensor of shape ({tag.records},); got {got}"
+                    f"per_record_loss must return one loss per record, a tensor of shape ({rows},); got {got}"
                 )
+            if tag.rows is not None:
+                # padding adds nothing to the loss logged (its clip factor is 0 in the release)
+                mask = torch.from_numpy(run.record_mask).to(losses.device, non_blocking=True)  # type: ignore[arg-type]
+                losses = torch.where(mask, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
             total = losses.sum()
             scaler = dp.grad_scaler
             (total if scaler is None else scaler.scale(total)).backward()
@@ -756,6 +762,7 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
         examples_per_user: Optional[int] = None,
         max_examples_per_user: Optional[int] = None,
         memory: str = "default",
+        pad_batches: Any = False,
         **trainer_kwargs: Any,
     ) -> None:
         # checked once, before the Trainer is built
@@ -766,6 +773,7 @@ class DPTrainer(DPTrainerMixin, transformers.Trainer):
             ledger_ahead=ledger_ahead, seed=seed, poisson_sampling=poisson_sampling, on_nonfinite=on_nonfinite,
             population_size=population_size, privacy_unit=privacy_unit, user_id_column=user_id_column,
             examples_per_user=examples_per_user, max_examples_per_user=max_examples_per_user, memory=memory,
+            pad_batches=pad_batches,
         )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._dp_setup(options)
