@@ -74,6 +74,11 @@ def _sq(x: torch.Tensor, dims) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dims, dtype=torch.float64).square()
 
 
+def _nograd(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached only when it requires grad (a detach is an operator of its own)."""
+    return t.detach() if t.requires_grad else t
+
+
 def row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
     """Σ_j x_ij² of every row of each 2-D tensor, in float64. On CPU the Rust core reads the
     tensors in place (torch's float64 norm of a float32 tensor converts it first, ~10x slower),
@@ -81,7 +86,7 @@ def row_sq(*ts: torch.Tensor) -> List[torch.Tensor]:
     if all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in ts):
         from .. import _core
 
-        return [torch.from_numpy(s) for s in _core.part_sumsq([t.detach().contiguous().numpy() for t in ts], parallel=False)]
+        return [torch.from_numpy(s) for s in _core.part_sumsq([_nograd(t).contiguous().numpy() for t in ts], parallel=False)]
     if len(ts) > 2 and len({(t.shape[0], t.device) for t in ts}) == 1:
         return _row_sq_joined(ts)
     return [_sq(t, 1) for t in ts]

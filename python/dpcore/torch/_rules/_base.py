@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from .._amp import amp_cast as _amp_cast
 from .._autograd import functorch_active, graph_task
-from .._contrib import Contribution, Dense, Factored, RowRange
+from .._contrib import Contribution, Dense, Factored, RowRange, _nograd
 
 
 class _Flags(threading.local):
@@ -73,7 +73,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], wrows: RowRange, brows: RowRange, sink: Callable) -> torch.Tensor:
-        x, w, b = _amp_cast(x, _sl(weight.detach(), wrows), _sl(None if bias is None else bias.detach(), brows))
+        x, w, b = _amp_cast(x, _sl(_nograd(weight), wrows), _sl(None if bias is None else _nograd(bias), brows))
         ctx.save_for_backward(x, w)
         ctx.sink = sink
         return F.linear(x, w, b)
@@ -82,7 +82,7 @@ class _LinearFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None]:
         x, w = ctx.saved_tensors
-        ctx.sink(x.detach(), g.detach())
+        ctx.sink(_nograd(x), _nograd(g))
         gx = g.matmul(w) if ctx.needs_input_grad[0] else None
         return gx, None, None, None, None, None
 
