@@ -908,7 +908,7 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None, defer: bo
         chunk = max(1, _CHUNK // max(1, t * (t + din + dout)))
         parts = []
         for i in range(0, b, chunk):
-            ai, gi = a[i : i + chunk], g[i : i + chunk]
+            ai, gi = (a, g) if chunk >= b else (a[i : i + chunk], g[i : i + chunk])
             if not fast:
                 ai, gi = ai.double(), gi.double()
             # keyed by the layer's own tensors (a widened copy's id may be reused once it is freed)
@@ -930,7 +930,7 @@ def _factored_sq(cs: Sequence[Factored], cache: Optional[dict] = None, defer: bo
     chunk = max(1, _CHUNK // max(1, din * dout + t * (din + dout)))
     parts = []
     for i in range(0, b, chunk):
-        gi, ai = g[i : i + chunk], a[i : i + chunk]
+        gi, ai = (g, a) if chunk >= b else (g[i : i + chunk], a[i : i + chunk])
         if not fast:
             gi, ai = gi.double(), ai.double()
         per = torch.bmm(gi.transpose(1, 2), ai)

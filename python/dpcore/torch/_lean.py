@@ -143,6 +143,7 @@ class LeanPasses:
         # the step's clip factors cast and shaped once for all uses (no factor copies kept: SHARED empty)
         self.ccache: Dict[Any, Any] = {SHARED: set()}
         self.mask: Optional[torch.Tensor] = None
+        self.mask_views: Dict[Any, Any] = {}
         self.totals: Any = None  # (the scaled norms, their total, the mask), once per step
         self.sig: Any = None
 
@@ -377,7 +378,11 @@ class LeanPasses:
         p = self.engine.params[k]
         _, (c,) = self.engine.units(self.b, [c])
         if self.mask is not None:
-            c.zero_records(self.mask, {})
+            # a memo of this contribution's own zeroed tensors (none kept across contributions),
+            # with the mask's shaped views, made once per step
+            memo: Dict[Any, Any] = dict(self.mask_views)
+            c.zero_records(self.mask, memo)
+            self.mask_views.update((k, v) for k, v in memo.items() if isinstance(k, tuple) and k[0] == "mask")
         acc = self.acc[k]
         if acc is None:
             acc = self.acc[k] = torch.zeros(tuple(p.shape), dtype=work_dtype(p.dtype), device=p.device)
