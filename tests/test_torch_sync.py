@@ -270,14 +270,15 @@ def test_the_dp_trainer_adds_no_synchronisation_to_the_trainers_own():
     assert dp["sync_ops"] == plain["sync_ops"], (plain["sync_ops"], dp["sync_ops"])
 
 
-@pytest.mark.parametrize("width,rank,path", [(32, 32, "ghost"), (16, 2, "product")])
-def test_layers_of_one_shape_stacked_give_the_same_bounds(monkeypatch, width, rank, path):
+@pytest.mark.parametrize("width,rank,path,bias", [(32, 32, "ghost", False), (16, 2, "product", False),
+                                                  (32, 32, "ghost", True)])
+def test_layers_of_one_shape_stacked_give_the_same_bounds(monkeypatch, width, rank, path, bias):
     # four blocks of one shape: their norms are taken as one stack; the bounds are those of one
     # layer at a time (up to the rounding the bounds allow for) and above the exact norms
     from dpcore.torch._engine import PerRecordGradients
 
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)) for _ in range(4)]
+    blocks = [nn.Sequential(nn.Linear(width, rank, bias=bias), nn.Linear(rank, width, bias=bias)) for _ in range(4)]
     model = nn.Sequential(*blocks)
     x = torch.randn(6, 5, width)
 
@@ -293,7 +294,8 @@ def test_layers_of_one_shape_stacked_give_the_same_bounds(monkeypatch, width, ra
         eng.remove()
         monkeypatch.undo()
         if stack:  # every layer went through the stacked path, the one this case is about
-            assert len(seen[0]) == 8 and {t.form for t in seen[0].values()} == {"ghost" if path == "ghost" else "sum"}
+            assert len(seen[0]) == (16 if bias else 8)  # the biases stacked too
+            assert {t.form for t in seen[0].values()} == ({"ghost" if path == "ghost" else "sum"} | ({"sum"} if bias else set()))
         return torch.stack(sq)
 
     stacked, alone = norms(True), norms(False)

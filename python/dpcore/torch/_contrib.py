@@ -948,8 +948,13 @@ def ghost_key(c: Contribution, shared: set) -> Optional[Tuple[Any, ...]]:
     float32, in one chunk, from factors no other use shares: the path (ghost norms or the
     materialised product) and the shape under which uses can be stacked
     (:func:`ghost_sq_many`); else None."""
-    if type(c) is not Factored or c.a is None or c.rows is not None:
+    if type(c) is not Factored or c.rows is not None:
         return None
+    if c.a is None:  # a bias: Σ_t g_t, summed in float32
+        g = c.g
+        if g.dtype != torch.float32 or id(g) in shared or g.shape[1] == 1:
+            return None
+        return ("bias", int(g.shape[0]), int(g.shape[1]), 0, int(g.shape[2]), g.device)
     a, g = c.a, c.g
     if id(a) in shared or id(g) in shared or a.dtype != torch.float32 or g.dtype != torch.float32:
         return None
@@ -972,6 +977,8 @@ def ghost_sq_many(cs: Sequence[Factored]) -> List[Tail]:
     row norms and sums of all at once, instead of a dozen operators per layer. Each layer's
     bound is the one-layer formula with its own constants (the γ bounds hold for any order of
     summation, so batching changes no bound)."""
+    if cs[0].a is None:
+        return _bias_sq_many(cs)
     a = torch.stack([c.a for c in cs])  # type: ignore[misc]
     g = torch.stack([c.g for c in cs])
     n, b, t, din = a.shape
@@ -993,6 +1000,22 @@ def ghost_sq_many(cs: Sequence[Factored]) -> List[Tail]:
     rel = rel + _gamma(t + 1, g.dtype) * (1.0 + rel)
     k = rel * (1.0 + 1e-6) + 2.0 * (din + dout + t * t + 8) * _U64
     return [Tail("ghost", wl, sl, k) for wl, sl in zip(w.unbind(0), s.unbind(0))]
+
+
+def _bias_sq_many(cs: Sequence[Factored]) -> List[Tail]:
+    """The float32 bias bounds of :func:`_factored_sq` for L biases of one shape, stacked: each
+    record's Σ_t g_t of every bias in one sum (left on each use for its clipped sum, which adds
+    exactly these vectors), the row norms of all in one call. The bound, γ_t·Σ_t‖g_t‖ on the
+    summed vector, holds for any order of summation."""
+    g = torch.stack([c.g for c in cs])
+    n, b, t, dout = g.shape
+    (sg,) = row_sq(g.reshape(n * b * t, dout))
+    gn = sg.sqrt().view(n, b, t).sum(2)
+    cols = g.sum(2)
+    for c, col in zip(cs, cols.unbind(0)):
+        c.colsum = col
+    k = _gamma(t, g.dtype) * (1.0 + 1e-6) + 2.0 * (t + 2) * _U64
+    return [Tail("sum", w, s, k, cap=False) for w, s in zip(_sq(cols, 2).unbind(0), gn.unbind(0))]
 
 
 def _tied_sq(rows: Rows, fs: Sequence[Factored]) -> torch.Tensor:

@@ -477,7 +477,7 @@ class PerRecordGradients:
         for key, ks in groups.items():
             path, b, t, din, dout, _ = key
             # as many layers per stack as one chunk of the one-layer path holds (temporaries bounded)
-            per = b * (t * (t + din + dout) if path == "ghost" else din * dout + t * (din + dout))
+            per = b * (t * (t + din + dout) if path == "ghost" else t * dout if path == "bias" else din * dout + t * (din + dout))
             step = max(1, CHUNK // max(1, per))
             for i in range(0, len(ks), step):
                 part = ks[i : i + step]
