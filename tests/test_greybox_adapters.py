@@ -59,6 +59,24 @@ def seq_model():
     return M()
 
 
+def blocks_model():
+    """Two blocks of one shape over 2 positions: their weights' ghost norms and their biases' sums
+    are taken as one stack (the engine's stacked path)."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.i = nn.Linear(4, 8)
+            self.b1, self.b2 = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.h = nn.Linear(8, 3)
+
+        def forward(self, x):
+            z = torch.tanh(self.i(x.reshape(len(x), 2, 4)))
+            return self.h(torch.tanh(self.b2(torch.tanh(self.b1(z)))).mean(1))
+
+    return M()
+
+
 def conv_model():
     class M(nn.Module):
         def __init__(self):
@@ -169,6 +187,8 @@ TORCH_PATHS = {
     "lean": dict(model_fn=seq_model, memory="lean"),
     "lean_micro_batches_fp16": dict(model_fn=mlp, max_physical_batch_size=5, amp=torch.float16, scaler=True,
                                     memory="lean"),
+    # layers of one shape normed as one stack
+    "stacked_blocks": dict(model_fn=blocks_model),
     # static shapes (issue 52): every physical batch padded to 12 rows with copies of record 0
     "padded": dict(model_fn=mlp, max_physical_batch_size=12, pad_batches=True),
     "padded_conv_lean": dict(model_fn=conv_model, max_physical_batch_size=12, pad_batches=True, memory="lean"),
