@@ -408,3 +408,15 @@ def test_torch_planted_unmasked_padding_is_caught(monkeypatch):
     monkeypatch.setattr(PerRecordGradients, "with_padding", lambda self, bad: bad)
     res = neighbour_audit(train, classification(N), ("replace_huge",))
     assert "sensitivity exceeded" in {f.kind for f in res.findings}, res.findings
+
+
+def test_torch_planted_understated_stacked_norms_are_caught(monkeypatch):
+    # the stacked norms of layers of one shape, understated: records clipped to more than C
+    from dpcore.torch import _engine
+    from dpcore.torch._contrib import Tail
+
+    real = _engine.ghost_sq_many
+    monkeypatch.setattr(_engine, "ghost_sq_many",
+                        lambda cs: [Tail(t.form, t.w * 1e-4, t.s * 1e-2, t.k, t.cap) for t in real(cs)])
+    res = neighbour_audit(torch_train(blocks_model), classification(N), ("huge", "add"))
+    assert "sensitivity exceeded" in {f.kind for f in res.findings}
