@@ -22,12 +22,12 @@ def test_gpu_suite_dry_run(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     summary = (tmp_path / "summary.md").read_text()
     steps = re.findall(r"^## (.+)$", summary, flags=re.M)
-    assert len(steps) == 7, steps
+    assert len(steps) == 8, steps
     exits = re.findall(r"→ exit (\d+)", summary)
-    assert exits == ["0"] * 7, summary[-3000:]
+    assert exits == ["0"] * 8, summary[-3000:]
     assert "dry run" in summary
     for table in ("skipped", "non-private torch", "dpcore.torch", "transformers.Trainer", "dpcore DPTrainer", "== cpu",
-                  "ULS / example-level median step"):
+                  "ULS / example-level median step", "CUDA-synchronising operators per step"):
         assert table in summary, table
-    for f in ("torch.json", "memory.json", "trainer.json", "noise.json", "users.json", "log.txt"):
+    for f in ("torch.json", "memory.json", "trainer.json", "noise.json", "users.json", "ops.json", "log.txt"):
         assert (tmp_path / f).stat().st_size > 0, f
