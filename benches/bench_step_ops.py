@@ -21,8 +21,9 @@ Models (the issue's):
   on bench_trainer.py's tiny GPT-2 (LoRA on c_attn, or every weight), counted from each
   optimizer step's begin to its end (the Trainer's callbacks).
 
-Configurations: ``non-private`` (zero_grad, forward, loss, backward, SGD step), ``dpcore`` and
-``dpcore-lean`` (``make_private`` with Poisson sampling, σ = 1, C = 1, noise drawn on the
+Configurations: ``non-private`` (zero_grad, forward, loss, backward, SGD step), ``dpcore``,
+``dpcore-lean`` and ``dpcore-padded`` (``pad_batches=True``, physical batches of 1.3 B rows)
+(``make_private`` with Poisson sampling, σ = 1, C = 1, noise drawn on the
 parameters' device by torch's ChaCha20 path: ``optimizer.noise_device = "device"``, as on a
 GPU), ``opacus-ghost`` (``PrivacyEngine.make_private(grad_sample_mode="ghost")`` after
 ``ModuleValidator.fix``, which swaps in Opacus's DPMultiheadAttention). Each step is
@@ -52,7 +53,7 @@ from torch import nn  # noqa: E402
 from dpcore.torch.opcount import OpCounter  # noqa: E402
 
 MODELS = ("transformer", "cnn", "gpt2-lora", "trainer-lora", "trainer-full")
-CONFIGS = ("non-private", "dpcore", "dpcore-lean", "opacus-ghost")
+CONFIGS = ("non-private", "dpcore", "dpcore-lean", "dpcore-padded", "opacus-ghost")
 # issue 52's targets: dpcore's operators per step at most this multiple of non-private's
 TARGET = {("transformer", "dpcore"): 1.5, ("gpt2-lora", "dpcore"): 1.5, ("cnn", "dpcore"): 2.0,
           ("transformer", "dpcore-lean"): 2.2, ("gpt2-lora", "dpcore-lean"): 2.2, ("cnn", "dpcore-lean"): 2.6}
@@ -124,15 +125,18 @@ def setup(config: str, model: nn.Module, loader: Any, crit: Any) -> Tuple[Callab
     params = [p for p in model.parameters() if p.requires_grad]
     if config == "non-private":
         opt: Any = torch.optim.SGD(params, lr=0.01)
-    elif config in ("dpcore", "dpcore-lean"):
+    elif config in ("dpcore", "dpcore-lean", "dpcore-padded"):
         import dpcore.torch
 
         opt = torch.optim.SGD(params, lr=0.01)
         # a test seed: the same Poisson samples in every run, so that counts that depend on the
         # batch size (chunked layers) repeat exactly (never for training: no privacy)
+        pad = {}
+        if config == "dpcore-padded":  # static shapes: batches padded to 1.3x the expected size
+            pad = dict(max_physical_batch_size=-(-13 * loader.batch_size // 10), pad_batches=True)
         model, opt, loader = dpcore.torch.make_private(
             model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0, seed=SEED,
-            memory="lean" if config == "dpcore-lean" else "default")
+            memory="lean" if config == "dpcore-lean" else "default", **pad)
         opt.noise_device = "device"
         # counted on the step's own thread (a dispatch mode is thread-local): the noise drawn in the step
         opt._noise.gaussian.ahead = False
