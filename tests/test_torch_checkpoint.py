@@ -102,18 +102,23 @@ def checkpoint(model, opt, path):
     return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("inner,query,bf16,memory", [
-    ("sgd", False, False, "default"), ("adam", True, False, "default"), ("adam", True, True, "default"),
-    ("sgd", False, False, "lean"), ("adam", True, True, "lean"),
+PADDED = {"max_physical_batch_size": 12, "pad_batches": True}  # static shapes: samples above 12 split
+
+
+@pytest.mark.parametrize("inner,query,bf16,memory,pad", [
+    ("sgd", False, False, "default", False), ("adam", True, False, "default", False),
+    ("adam", True, True, "default", False), ("sgd", False, False, "lean", False), ("adam", True, True, "lean", False),
+    ("adam", True, False, "default", True), ("sgd", False, True, "lean", True),
 ])
-def test_resumed_run_equals_uninterrupted(tmp_path, inner, query, bf16, memory):
+def test_resumed_run_equals_uninterrupted(tmp_path, inner, query, bf16, memory, pad):
     total, k = 8, 3  # the checkpoint falls in the middle of the first pass
-    model, opt, loader = build(tmp_path / "a.jsonl", inner=inner, query=query, memory=memory)
+    opts = dict(memory=memory, **(PADDED if pad else {}))
+    model, opt, loader = build(tmp_path / "a.jsonl", inner=inner, query=query, **opts)
     train(model, opt, loader, total, bf16)
     want, want_eps, want_samples = params(model), epsilon(opt), opt.ledger.samples
     want_gs = [g.gs for g in opt._groups]
 
-    model, opt, loader = build(tmp_path / "b.jsonl", inner=inner, query=query, memory=memory)
+    model, opt, loader = build(tmp_path / "b.jsonl", inner=inner, query=query, **opts)
     train(model, opt, loader, k, bf16)
     ck = checkpoint(model, opt, tmp_path / "ckpt.pt")
     saved_gs = [g.gs for g in opt._groups]
@@ -121,7 +126,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path, inner, query, bf16, memory):
     assert ck["optimizer"]["dpcore"]["releases"] == k
     assert ck["optimizer"]["dpcore"]["data_loader"]["pass_position"] == k
 
-    model, opt, loader = build(tmp_path / "b.jsonl", inner=inner, query=query, weights=ck["model"], memory=memory)
+    model, opt, loader = build(tmp_path / "b.jsonl", inner=inner, query=query, weights=ck["model"], **opts)
     if query:  # the adaptive clip norm moved: a rebuilt optimizer starts from C_0, the checkpoint restores it
         assert saved_gs[0].l2_norm_clip != opt._groups[0].gs.l2_norm_clip
     opt.load_state_dict(ck["optimizer"])
