@@ -682,3 +682,39 @@ def test_generic_path_batches_keyword_tensors():
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g.double().numpy(), (r / 7.0).numpy(), rtol=2e-4, atol=1e-7)
     opt.engine.remove()
+
+
+# ----------------------------------------------------------------------------- layers of one shape
+
+
+@pytest.mark.parametrize("memory", ["default", "lean"])
+@pytest.mark.parametrize("width,rank", [(12, 12), (12, 2)])  # ghost norms; per-record products
+def test_layers_of_one_shape_normed_as_one_stack_release_the_brute_force_sum(monkeypatch, memory, width, rank):
+    """Four blocks of one shape over 5 positions, with biases: in the default mode their weights'
+    norms and their biases' sums are taken as one stack (issue 52); the release at noise 0 is the
+    brute-force clipped sum either way."""
+    from dpcore.torch._engine import PerRecordGradients
+
+    stacked = []
+    real = PerRecordGradients._ghost_groups
+    monkeypatch.setattr(PerRecordGradients, "_ghost_groups", lambda self, by, sh: stacked.append(real(self, by, sh)) or stacked[-1])
+    torch.manual_seed(3)
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, width)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, rank), nn.Tanh(), nn.Linear(rank, width))
+                                        for _ in range(4))
+            self.head = nn.Linear(width, 3)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = torch.tanh(h + b(h))
+            return self.head(h.mean(1))
+
+    x, y = torch.randn(7, 5, 4), torch.randint(0, 3, (7,))
+    check(Blocks(), lambda m, i: ce(m(x[i]), y[i]), 7, memory=memory)
+    if memory == "default":
+        assert len(stacked[0]) >= 16  # 4 × (two weights and two biases), and the input layer's bias
