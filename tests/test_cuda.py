@@ -299,7 +299,7 @@ def _syncs_per_step(layers: int) -> int:
 def _steady_step_under_sync_error(build, kind, *, memory="default", bf16=False, scaler=None):
     """Warm-up steps, then three steps under ``set_sync_debug_mode("error")``: any
     device->host synchronisation in dpcore's step raises."""
-    from test_torch_sync import _data
+    from test_torch_sync import _data, training_step
 
     torch.manual_seed(0)
     model = build().to(CUDA)
@@ -308,23 +308,7 @@ def _steady_step_under_sync_error(build, kind, *, memory="default", bf16=False, 
     kw = {} if scaler is None else {"grad_scaler": scaler}
     model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
                                       max_grad_norm=1.0, ledger=_ledger(), memory=memory, **kw)
-    crit = nn.CrossEntropyLoss()
-
-    def step(xb, yb):
-        opt.zero_grad()
-        if bf16:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(xb)
-            loss = crit(out.float(), yb)
-        else:
-            loss = crit(model(xb), yb)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-
+    step = training_step(model, opt, "cuda", bf16=bf16, scaler=scaler)
     done = 0
     for epoch in range(4):
         for i, (xb, yb) in enumerate(loader):

@@ -134,6 +134,29 @@ FAMILIES = {
 }
 
 
+def training_step(model, opt, device_type, *, bf16=False, scaler=None):
+    """step(x, y): zero_grad, forward (under bfloat16 autocast with ``bf16``), cross-entropy,
+    backward (scaled by ``scaler``) and the optimizer's step (through the scaler)."""
+    crit = nn.CrossEntropyLoss()
+
+    def step(xb, yb):
+        opt.zero_grad()
+        if bf16:
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                out = model(xb)
+            loss = crit(out.float(), yb)
+        else:
+            loss = crit(model(xb), yb)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+    return step
+
+
 def _syncs(build, kind, *, memory="default", bf16=False, scaler=None, steps=4, noise=True, released=True, **kw):
     """The synchronising operators of each steady-state step (after one warm-up step)."""
     g = torch.Generator().manual_seed(0)
@@ -151,25 +174,13 @@ def _syncs(build, kind, *, memory="default", bf16=False, scaler=None, steps=4, n
     model, opt, loader = dt.make_private(model, opt, loader, memory=memory, ledger=ledger, **kw)
     opt.noise_device = "device"  # torch's ChaCha20, the path taken on an accelerator
     opt._noise.gaussian.ahead = False  # drawn in the step, on the thread the dispatch mode watches
-    crit = nn.CrossEntropyLoss()
+    step = training_step(model, opt, "cpu", bf16=bf16, scaler=scaler)
     batches = (b for _ in itertools.count() for b in loader)  # a fresh sample every time
     found = []
     for s in range(steps):
         xb, yb = next(batches)
         with OpCounter() as c:
-            opt.zero_grad()
-            if bf16:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(xb)
-                loss = crit(out.float(), yb)
-            else:
-                loss = crit(model(xb), yb)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            step(xb, yb)
         assert opt.last_step_released or not released
         if s:
             found.append(dict(c.sync_ops))
