@@ -31,16 +31,16 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 def test_physical_chunks_split_and_pad():
     idx = np.arange(10, 23)  # 13 records
-    chunks = physical_chunks(idx, 5, pad=True, fill=0)
+    chunks = physical_chunks(idx, 5, fill=0)
     assert [len(c) for c, _ in chunks] == [5, 5, 5] and [r for _, r in chunks] == [5, 5, 3]
     assert np.concatenate([c[:r] for c, r in chunks]).tolist() == idx.tolist()  # every record, once, in order
     assert chunks[-1][0][3:].tolist() == [0, 0]
-    (empty, real), = physical_chunks(np.arange(0), 4, pad=True, fill=7)
+    (empty, real), = physical_chunks(np.arange(0), 4, fill=7)
     assert real == 0 and empty.tolist() == [7, 7, 7, 7]
-    assert len(physical_chunks(idx, 5, pad=True, at_least=5)) == 5
-    assert [r for _, r in physical_chunks(idx, 20, pad=True)] == [13]
+    assert len(physical_chunks(idx, 5, at_least=5)) == 5
+    assert [r for _, r in physical_chunks(idx, 20)] == [13]
     with pytest.raises(ValueError, match="physical batch size"):
-        physical_chunks(idx, None, pad=True)
+        physical_chunks(idx, 0)
     assert padded_size(0, 8) == 8 and padded_size(8, 8) == 8 and padded_size(9, 8) == 16
 
 

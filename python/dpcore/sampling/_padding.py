@@ -16,7 +16,7 @@ batches from here.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import numpy as np
 
@@ -31,32 +31,20 @@ def padded_size(n: int, multiple: int) -> int:
     return max(multiple, -(-int(n) // multiple) * multiple)
 
 
-def physical_chunks(idx: np.ndarray, size: Optional[int], *, pad: bool = False, fill: int = 0,
-                    at_least: int = 1) -> List[Tuple[np.ndarray, int]]:
-    """The physical batches of one sample ``idx``: (indices, number of real records) each.
+def physical_chunks(idx: np.ndarray, size: int, *, fill: int = 0, at_least: int = 1) -> List[Tuple[np.ndarray, int]]:
+    """The padded physical batches of one sample ``idx``: (indices, number of real records) each.
 
-    Without ``size`` one batch holds the whole sample. Otherwise the sample is cut into
-    consecutive chunks of at most ``size`` records; with ``pad`` every chunk holds exactly
-    ``size`` indices, its real records first and then ``fill`` (any valid index: the padded
-    rows' contributions are masked out), and an empty sample gives one chunk of padding only.
-    ``at_least``: at least this many chunks (ranks that must run as many passes; the extra
-    ones all padding, or empty without ``pad``)."""
+    The sample is cut into consecutive chunks of at most ``size`` records, and every chunk holds
+    exactly ``size`` indices, its real records first and then ``fill`` (any valid index: the
+    padded rows' contributions are masked out); an empty sample gives one chunk of padding only.
+    ``at_least``: at least this many chunks (ranks that must run as many passes; the extra ones
+    all padding)."""
     idx = np.asarray(idx, dtype=np.int64).reshape(-1)
-    if size is None:
-        if pad:
-            raise ValueError("padding needs a physical batch size")
-        return [(idx, len(idx))]
     size = int(size)
     if size < 1:
         raise ValueError(f"the physical batch size must be >= 1, got {size}")
-    n = len(idx)
-    k = max(at_least, 1, -(-n // size))
     out: List[Tuple[np.ndarray, int]] = []
-    if not pad:
-        if k > max(1, -(-n // size)):
-            return [(c, len(c)) for c in np.array_split(idx, k)]
-        return [(idx[i : i + size], len(idx[i : i + size])) for i in range(0, max(n, 1), size)] if n else [(idx, 0)]
-    for j in range(k):
+    for j in range(max(at_least, 1, -(-len(idx) // size))):
         real = idx[j * size : (j + 1) * size]
         chunk = np.full(size, fill, dtype=np.int64)
         chunk[: len(real)] = real

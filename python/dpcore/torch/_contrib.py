@@ -74,6 +74,11 @@ def _sq(x: torch.Tensor, dims) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dims, dtype=torch.float64).square()
 
 
+def is_one(x: Any) -> bool:
+    """Whether a scale is the host value 1.0 (a device tensor is never compared on the host)."""
+    return isinstance(x, (int, float)) and x == 1.0
+
+
 def _nograd(t: torch.Tensor) -> torch.Tensor:
     """``t`` detached only when it requires grad (a detach is an operator of its own)."""
     return t.detach() if t.requires_grad else t

@@ -423,7 +423,7 @@ def physical_batches(loader: Any, idx: np.ndarray, counts: Optional[np.ndarray] 
         comm = getattr(loader, "_comm", None)
         if getattr(loader, "equal_micro_batches", False) and comm is not None:
             at_least = comm.maximum(max(1, -(-len(idx) // m)), "agreeing on the number of micro-batches")
-        chunks = physical_chunks(idx, m, pad=True, fill=0, at_least=at_least)
+        chunks = physical_chunks(idx, m, fill=0, at_least=at_least)
         for k, (c, real) in enumerate(chunks):
             loader.logical_batch_complete = k == len(chunks) - 1
             loader.last_indices = c[:real]

@@ -33,8 +33,8 @@ from torch import nn
 
 from ._amp import work_dtype
 from ._contrib import (
-    _CHUNK as CHUNK, SHARED, Contribution, Dense, Grouping, _cw, finish, gather, ghost_key, ghost_sq_many, param_sq_norms, row_sq,
-    shared_factors,
+    _CHUNK as CHUNK, SHARED, Contribution, Dense, Grouping, _cw, finish, gather, ghost_key, ghost_sq_many, is_one,
+    param_sq_norms, row_sq, shared_factors,
 )
 from ._lean import LeanPasses, check_memory
 from ._rules import GenericRule, LayerRule, _functorch_active, rule_for
@@ -56,9 +56,6 @@ def _per_device(t: torch.Tensor) -> Any:
     return on
 
 
-def is_one(x: Any) -> bool:
-    """Whether a scale is the host value 1.0 (a device tensor is never compared on the host)."""
-    return isinstance(x, (int, float)) and x == 1.0
 _row_sq = row_sq  # used by the optimizer and tests
 
 

@@ -37,12 +37,7 @@ import torch
 from torch import nn
 
 from ._amp import work_dtype
-from ._contrib import SHARED, Contribution, finish, param_sq_norms
-
-
-def is_one(x: Any) -> bool:
-    """Whether a scale is the host value 1.0 (a device tensor is never compared on the host)."""
-    return isinstance(x, (int, float)) and x == 1.0
+from ._contrib import SHARED, Contribution, finish, is_one, param_sq_norms
 from ._autograd import functorch_active as _functorch, graph_task as _graph_task, retaining
 
 __all__ = ["MEMORY", "LeanPasses", "check_memory"]

@@ -413,7 +413,7 @@ class TrainerBatches:
                     # empty micro-batch), whose clip factor is 0; a micro-batch above the size
                     # (rare) is padded to the next multiple of 8, never cut
                     rows = run.pad_rows if len(part) <= run.pad_rows else padded_size(len(part), 8)
-                    (padded, real), = physical_chunks(part, rows, pad=True, fill=int(part[0]) if len(part) else 0)
+                    (padded, real), = physical_chunks(part, rows, fill=int(part[0]) if len(part) else 0)
                     batch = self._fetch(padded)
                     batch[TAG] = BatchTag(serial, c, ga, real, len(got), rows=rows)
                 yield batch
